@@ -1,0 +1,34 @@
+"""The golden reference layer: FP32 (or FP64) attention on the exact inputs a kernel saw.
+
+variant "exact": dequantised inputs as the kernel received them (through the paged pool);
+variant "ideal": the unquantised inputs, which measures what quantisation itself costs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mlacheck.golden import decode, prefill
+from mlacheck.golden.core import Result
+from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
+from mlacheck.spec import SparseDecodeCase
+
+PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp64": torch.float64}
+VARIANTS = ("exact", "ideal")
+
+
+def reference(inputs: Inputs, variant: str = "exact", precision: str = "fp32") -> Result:
+    if variant not in VARIANTS:
+        raise ValueError(f"golden variant must be one of {VARIANTS}, not {variant!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"golden precision must be fp32 or fp64, not {precision!r}")
+    dtype = PRECISIONS[precision]
+    if isinstance(inputs, PrefillInputs):
+        return prefill.reference(inputs, variant, dtype)
+    assert isinstance(inputs, DecodeInputs)
+    if isinstance(inputs.case, SparseDecodeCase):
+        return decode.sparse_reference(inputs, variant, dtype)
+    return decode.reference(inputs, variant, dtype)
+
+
+__all__ = ["PRECISIONS", "VARIANTS", "Result", "reference"]

@@ -1,0 +1,155 @@
+"""Element formats, FP8 quantisation emulation and scales.
+
+Scales are dequantisation factors: real = stored * scale (per tensor, or per token = per
+row of the leading dims). The overflow policy is explicit because torch's two FP8 casts
+differ (torch 2.13, CPU): `.to(float8_e4m3fn)` saturates to +-448 (even +-inf), while
+`.to(float8_e4m3fnuz)` gives NaN for anything that rounds above 240. A unit-scale cast (what
+vLLM's FP8 ASM prefill does with bf16 Q/K/V) therefore behaves differently on gfx942
+(fnuz) and gfx950 (fn): `policy="torch"` reproduces the chip, the others make it uniform.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+OverflowPolicy = Literal["torch", "saturate", "nan"]
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    dtype: torch.dtype
+    max: float  # largest finite magnitude
+    nan_bits: int  # the bit pattern we poison with (a NaN of this format)
+    bits_dtype: torch.dtype  # integer view of the same width, for bit-level fills
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype.itemsize == 1
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def native_overflow(self) -> str:
+        """What torch's plain cast does above `max` (see module docstring)."""
+        if self.name == "fp8_e4m3fnuz":
+            return "nan"
+        return "saturate" if self.is_fp8 else "inf"
+
+    @property
+    def eps(self) -> float:
+        """Unit roundoff (half an ulp at 1.0): 2^-(mantissa bits + 1)."""
+        return torch.finfo(self.dtype).eps / 2
+
+
+FORMATS: dict[str, Format] = {
+    # e4m3fn: S.1111.111 is NaN (0x7F / 0xFF), no inf; max 448. OCP format, gfx950 / NVIDIA.
+    "fp8_e4m3fn": Format("fp8_e4m3fn", torch.float8_e4m3fn, 448.0, 0x7F, torch.uint8),
+    # e4m3fnuz: the single NaN is 0x80 (negative zero's pattern); max 240. gfx942 (MI300).
+    "fp8_e4m3fnuz": Format("fp8_e4m3fnuz", torch.float8_e4m3fnuz, 240.0, 0x80, torch.uint8),
+    "bf16": Format("bf16", torch.bfloat16, 3.3895313892515355e38, 0x7FC0, torch.int16),
+    "fp16": Format("fp16", torch.float16, 65504.0, 0x7E00, torch.int16),
+    "fp32": Format("fp32", torch.float32, 3.4028234663852886e38, 0x7FC00000, torch.int32),
+}
+
+# FP8 NaN encodings a kernel may meet in a poisoned pool (all of them are NaN on decode).
+FP8_NAN_BYTES: dict[str, tuple[int, ...]] = {
+    "fp8_e4m3fn": (0x7F, 0xFF),
+    "fp8_e4m3fnuz": (0x80,),
+}
+
+
+def fmt(name: str) -> Format:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown format {name!r}; known: {', '.join(FORMATS)}") from None
+
+
+def chip_fp8_format(gfx: str) -> str:
+    """The FP8 format a chip computes in: gfx942 (MI300) fnuz, gfx950 (MI355) and others OCP fn."""
+    return "fp8_e4m3fnuz" if gfx.startswith("gfx94") else "fp8_e4m3fn"
+
+
+def pick_scale(
+    x: torch.Tensor, name: str, policy: str = "amax", per_token: bool = False
+) -> torch.Tensor:
+    """The dequantisation scale a production path would pick, in fp32.
+
+    unit: 1 (cast as is). amax: amax / format max, so the largest value lands on the
+    format's max; per token: one scale per row (last dim reduced), shape `x.shape[:-1] + (1,)`.
+    Non-fp8 formats always get scale 1.
+    """
+    f = fmt(name)
+    shape = (*x.shape[:-1], 1) if per_token else ()
+    if not f.is_fp8 or policy == "unit":
+        return torch.ones(shape, dtype=torch.float32, device=x.device)
+    if policy != "amax":
+        raise ValueError(f"unknown scale policy {policy!r}")
+    xf = x.detach().float().abs()
+    amax = xf.amax(dim=-1, keepdim=True) if per_token else xf.amax()
+    scale = amax / f.max
+    return torch.where(scale > 0, scale, torch.ones_like(scale)).to(torch.float32)
+
+
+def quantize(
+    x: torch.Tensor, name: str, scale: torch.Tensor | float = 1.0, policy: OverflowPolicy = "torch"
+) -> torch.Tensor:
+    """x / scale cast to the format, with an explicit overflow policy."""
+    f = fmt(name)
+    y = x.float() / scale
+    if policy == "saturate":
+        y = y.clamp(-f.max, f.max)
+    elif policy == "nan":
+        thr = overflow_threshold(name)
+        # a tie at thr rounds to even: up (overflow) iff max's last mantissa bit is 1 (fnuz
+        # 240), onto max otherwise (e4m3fn: 464 -> 448, as a non-saturating cast does)
+        up = int(f.max / (2 * (thr - f.max))) % 2 == 1
+        over = y.abs() >= thr if up else y.abs() > thr
+        y = torch.where(over, torch.full_like(y, float("nan")), y)
+    elif policy != "torch":
+        raise ValueError(f"unknown overflow policy {policy!r}")
+    return y.to(f.dtype)
+
+
+def overflow_threshold(name: str) -> float:
+    """Smallest magnitude that does not round onto the format's max (max + half an ulp there)."""
+    f = fmt(name)
+    ulp_at_max = 2.0 ** math.floor(math.log2(f.max)) * torch.finfo(f.dtype).eps
+    return f.max + ulp_at_max / 2
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """Stored values times the dequantisation scale, in fp32 (exact for every format here)."""
+    return x.float() * scale
+
+
+def round_trip(x: torch.Tensor, name: str, policy: OverflowPolicy = "torch") -> torch.Tensor:
+    """Round x to the format (unit scale) and back to fp32: how a kernel rounds P or Q."""
+    return quantize(x, name, 1.0, policy).float()
+
+
+def nan_fill_value(name: str) -> tuple[torch.dtype, int]:
+    """(integer view dtype, bit pattern) that writes this format's NaN with one fill."""
+    f = fmt(name)
+    bits = f.nan_bits
+    if f.bits_dtype == torch.int16 and bits >= 1 << 15:
+        bits -= 1 << 16
+    return f.bits_dtype, bits
+
+
+def sentinel_value(name: str) -> float:
+    """A large finite value: visible if used, harmless if a kernel only reads and masks it.
+
+    Half the format's max (FP8: the max itself) keeps it finite after scaling by typical
+    factors yet far outside any realistic activation, so a kernel that *uses* a tail
+    element produces an error far above tolerance.
+    """
+    f = fmt(name)
+    return f.max if f.is_fp8 else min(f.max / 2, 3.0e4)

@@ -1,0 +1,240 @@
+"""Deterministic tensors for a case: queries, latent KV, weights, quantised copies, pools.
+
+All random data comes from a CPU torch.Generator seeded by the case content, and is moved
+to the device afterwards, so CPU and GPU runs see bit-identical inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mlacheck import fp8, kvcache
+from mlacheck.kvcache import Guarded, KVPool, PageTable
+from mlacheck.spec import Case, DecodeCase, MLADims, PrefillCase, Quant, SparseDecodeCase
+
+# Realistic magnitudes: post-norm activations are O(1). With unit-variance q and k, a
+# 192-dim dot product times the V3 scale 0.135 has std ~1.9: a peaked but not one-hot softmax.
+REALISTIC_STD = 1.0
+# Stress profile: a few outlier channels this large overflow FP8 under a unit scale
+# (e4m3fn max 448, e4m3fnuz max 240), the condition behind DESIGN §5 bug class 7.
+STRESS_OUTLIER = 600.0
+STRESS_CHANNELS = 4
+
+
+@dataclass
+class Quantised:
+    """A tensor as the kernel receives it (`stored` in `fmt`, scale = dequant factor) and the
+    unquantised original (`ideal`, fp32)."""
+
+    stored: torch.Tensor
+    scale: torch.Tensor
+    fmt: str
+    ideal: torch.Tensor
+
+    def dequant(self) -> torch.Tensor:
+        return fp8.dequantize(self.stored, self.scale)
+
+
+@dataclass
+class Weights:
+    """Per-head absorption weights: k_nope = W_UK c_kv, v = W_UV^T c_kv (both views derivable)."""
+
+    w_uk: torch.Tensor  # [H, qk_nope, kv_lora_rank]
+    w_uv: torch.Tensor  # [H, kv_lora_rank, v_head]
+
+
+@dataclass
+class PrefillInputs:
+    case: PrefillCase
+    q: Quantised  # [Tq, H, 192]
+    k: Quantised  # [Tk, H, 192] (all segments' context + own tokens, concatenated)
+    v: Quantised  # [Tk, H, 128]
+    cu_seqlens_q: torch.Tensor  # [S+1] int32
+    cu_seqlens_k: torch.Tensor  # [S+1] int32
+    out: Guarded  # [Tq, H, 128]
+    k_pool: KVPool | None = None
+    v_pool: KVPool | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.stored.device
+
+
+@dataclass
+class DecodeInputs:
+    case: DecodeCase | SparseDecodeCase
+    q: Quantised  # [T, H, 576] absorbed queries
+    kv: list[Quantised]  # per request [kv_len, 1, 576] (logical order)
+    pool: KVPool  # paged latent pool [P, ps, 1, 576]
+    qo_indptr: torch.Tensor  # [B+1] int32
+    out: Guarded  # [T, H, 512]
+    # Sparse only: per query token, logical kv positions in its request, -1 padded to topk.
+    topk_indices: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.stored.device
+
+    @property
+    def table(self) -> PageTable:
+        return self.pool.table
+
+
+Inputs = PrefillInputs | DecodeInputs
+
+
+def generator(case: Case, salt: int = 0) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed((case.seed_material + salt) % (1 << 63))
+
+
+def _randn(shape: tuple[int, ...], gen: torch.Generator, profile: str) -> torch.Tensor:
+    x = torch.randn(shape, generator=gen, dtype=torch.float32) * REALISTIC_STD
+    if profile == "stress":
+        # the same few channels (last dim) in every row carry outliers, as LLM activations do
+        ch = torch.randperm(shape[-1], generator=gen)[:STRESS_CHANNELS]
+        x[..., ch] *= STRESS_OUTLIER
+    return x
+
+
+def quantise(x: torch.Tensor, fmt_name: str, quant: Quant, device: torch.device | str) -> Quantised:
+    """The stored copy a production path would hand the kernel (torch-native overflow)."""
+    scale = fp8.pick_scale(x, fmt_name, quant.scale, quant.per_token)
+    stored = fp8.quantize(x, fmt_name, scale)
+    return Quantised(stored.to(device), scale.to(device), fmt_name, x.to(device))
+
+
+def make_weights(dims: MLADims, num_heads: int, gen: torch.Generator) -> Weights:
+    # entries N(0, 1/rank): k_nope and v keep unit variance when c_kv has it
+    std = dims.kv_lora_rank**-0.5
+    w_uk = torch.randn((num_heads, dims.qk_nope, dims.kv_lora_rank), generator=gen) * std
+    w_uv = torch.randn((num_heads, dims.kv_lora_rank, dims.v_head), generator=gen) * std
+    return Weights(w_uk, w_uv)
+
+
+def weights_for(case: Case) -> Weights:
+    return make_weights(case.dims, case.num_heads, generator(case, salt=1))
+
+
+def mha_from_latent(
+    c_kv: torch.Tensor, k_pe: torch.Tensor, w: Weights
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MHA-view K [T, H, 192] and V [T, H, 128] from latent c_kv [T, 512] and k_pe [T, 64]."""
+    k_nope = torch.einsum("hnc,tc->thn", w.w_uk, c_kv)
+    v = torch.einsum("hcv,tc->thv", w.w_uv, c_kv)
+    k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, w.w_uk.shape[0], -1)], dim=-1)
+    return k, v
+
+
+def absorb_q(q_nope: torch.Tensor, q_pe: torch.Tensor, w: Weights) -> torch.Tensor:
+    """Absorbed query [T, H, 576] = [q_nope · W_UK ‖ q_pe]."""
+    return torch.cat([torch.einsum("thn,hnc->thc", q_nope, w.w_uk), q_pe], dim=-1)
+
+
+def unabsorb_out(o_latent: torch.Tensor, w: Weights) -> torch.Tensor:
+    """Absorbed output [T, H, 512] -> per-head value space [T, H, 128] through W_UV."""
+    return torch.einsum("thc,hcv->thv", o_latent, w.w_uv)
+
+
+def cu_seqlens(lengths: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
+    return out
+
+
+def build(case: Case, device: torch.device | str = "cpu") -> Inputs:
+    if isinstance(case, PrefillCase):
+        return _build_prefill(case, device)
+    return _build_decode(case, device)
+
+
+def _build_prefill(case: PrefillCase, device: torch.device | str) -> PrefillInputs:
+    gen = generator(case)
+    d, h = case.dims, case.num_heads
+    tq, tk = case.total_q, case.total_kv
+    q = _randn((tq, h, d.qk_head), gen, case.profile)
+    k = _randn((tk, h, d.qk_head), gen, case.profile)
+    v = _randn((tk, h, d.v_head), gen, case.profile)
+    qq = quantise(q, case.quant.q, case.quant, device)
+    kq = quantise(k, case.quant.kv, case.quant, device)
+    vq = quantise(v, case.quant.kv, case.quant, device)
+    inputs = PrefillInputs(
+        case=case,
+        q=qq,
+        k=kq,
+        v=vq,
+        cu_seqlens_q=cu_seqlens([s.q_len for s in case.segments]).to(device),
+        cu_seqlens_k=cu_seqlens([s.kv_len for s in case.segments]).to(device),
+        out=kvcache.guarded_empty((tq, h, d.v_head), _out_dtype(case.quant), device),
+    )
+    if case.paging is not None:
+        if case.quant.per_token:
+            raise ValueError("paged prefill takes per-tensor K/V scales (per_token is decode-only)")
+        lens = [s.kv_len for s in case.segments]
+        page_bytes = case.paging.page_size * h * d.qk_head * fp8.fmt(case.quant.kv).itemsize
+        table, n_pages = kvcache.assign_pages(lens, case.paging.page_size, page_bytes, case.placement, gen)
+        cuts = cu_seqlens(lens).tolist()
+        for name, t in (("k", kq), ("v", vq)):
+            per_req = [t.stored[cuts[i] : cuts[i + 1]] for i in range(len(lens))]
+            pool = kvcache.build_pool(
+                per_req, table, n_pages, t.fmt, t.scale, device, case.paging.layout, name,
+                case.placement.tail_poison,
+            )
+            setattr(inputs, f"{name}_pool", pool)
+    return inputs
+
+
+def _build_decode(case: DecodeCase | SparseDecodeCase, device: torch.device | str) -> DecodeInputs:
+    gen = generator(case)
+    d, h = case.dims, case.num_heads
+    q = _randn((case.total_q, h, d.latent), gen, case.profile)
+    qq = quantise(q, case.quant.q, case.quant, device)
+    lens = [r.kv_len for r in case.requests]
+    kv_all = _randn((sum(lens), 1, d.latent), gen, case.profile)
+    if case.quant.per_token and fp8.fmt(case.quant.kv).is_fp8:
+        raise ValueError("per-token KV scales are not modelled for paged pools; use per-tensor")
+    kvq = quantise(kv_all, case.quant.kv, case.quant, "cpu")
+    cuts = cu_seqlens(lens).tolist()
+    kv = [
+        Quantised(kvq.stored[a:b].to(device), kvq.scale.to(device), kvq.fmt, kvq.ideal[a:b].to(device))
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True)
+    ]
+    page_bytes = case.page_size * d.latent * fp8.fmt(case.quant.kv).itemsize
+    table, n_pages = kvcache.assign_pages(lens, case.page_size, page_bytes, case.placement, gen)
+    pool = kvcache.build_pool(
+        [kvq.stored[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)],
+        table, n_pages, kvq.fmt, kvq.scale, device, "linear", "latent", case.placement.tail_poison,
+    )
+    inputs = DecodeInputs(
+        case=case,
+        q=qq,
+        kv=kv,
+        pool=pool,
+        qo_indptr=cu_seqlens([r.q_len for r in case.requests]).to(device),
+        out=kvcache.guarded_empty((case.total_q, h, d.kv_lora_rank), _out_dtype(case.quant), device),
+    )
+    if isinstance(case, SparseDecodeCase):
+        inputs.topk_indices = sparse_indices(case, gen).to(device)
+    return inputs
+
+
+def sparse_indices(case: SparseDecodeCase, gen: torch.Generator) -> torch.Tensor:
+    """[T, topk] logical kv positions per query token (unsorted, as an indexer emits), -1 padded."""
+    rows = []
+    for r in case.requests:
+        for i in range(r.q_len):
+            visible = r.kv_len - r.q_len + i + 1
+            n = min(case.topk, visible)
+            if case.valid_cap is not None:
+                n = min(n, case.valid_cap)
+            row = torch.full((case.topk,), -1, dtype=torch.int64)
+            row[:n] = torch.randperm(visible, generator=gen)[:n]
+            rows.append(row)
+    return torch.stack(rows).to(torch.int32)
+
+
+def _out_dtype(quant: Quant) -> torch.dtype:
+    """Kernels write bf16 for bf16/fp8 inputs, fp16 for fp16, fp32 for fp32."""
+    return {"fp16": torch.float16, "fp32": torch.float32}.get(quant.q, torch.bfloat16)

@@ -1,0 +1,350 @@
+"""Paged KV pools: page tables (three conventions), layouts, placement, poison and guards.
+
+A pool is allocated on the target device and poisoned in one fill (free pages: the format's
+NaN, FP8 NaN encodings included); only live pages are then written, so build cost scales
+with live data. Partial last-page tails are poisoned too (NaN or a large finite sentinel).
+Every request's pages can be mapped back to byte offsets of the pool, to assert that a
+>2 GB / >4 GB case really places live pages past 2^31 / 2^32 and to say where a failure is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mlacheck import fp8
+from mlacheck.spec import Placement, vector_width
+
+# Output buffers carry this many guard rows before and after the real rows.
+GUARD_ROWS = 2
+# Value written into guard rows: exactly representable in fp32/bf16/fp16 and not a value a
+# kernel plausibly writes by chance; compared bit for bit.
+GUARD_VALUE = -31.75
+
+BYTE_BOUNDARIES = (1 << 31, 1 << 32)  # signed / unsigned 32-bit offset limits
+
+
+# --------------------------------------------------------------------------- page tables
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """Canonical page table: CSR over requests of physical page ids, plus kv lengths.
+
+    indptr [B+1] and indices [total_pages] are page-level (AITER/FlashInfer style);
+    kv_lens [B] are token counts. All int64 on CPU; conventions convert from here.
+    """
+
+    page_size: int
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    kv_lens: torch.Tensor
+
+    def __post_init__(self) -> None:
+        b = self.kv_lens.numel()
+        if self.indptr.numel() != b + 1:
+            raise ValueError(f"indptr has {self.indptr.numel()} entries for {b} requests")
+        need = pages_needed(self.kv_lens, self.page_size)
+        have = self.indptr[1:] - self.indptr[:-1]
+        if not torch.equal(need, have):
+            raise ValueError(f"page counts {have.tolist()} do not fit kv_lens {self.kv_lens.tolist()}")
+
+    @property
+    def batch(self) -> int:
+        return self.kv_lens.numel()
+
+    def pages_of(self, r: int) -> torch.Tensor:
+        return self.indices[self.indptr[r] : self.indptr[r + 1]]
+
+    def slots_of(self, r: int) -> torch.Tensor:
+        """Global slot ids (page * page_size + offset) of request r's tokens, in order."""
+        n = int(self.kv_lens[r])
+        pos = torch.arange(n)
+        return self.pages_of(r)[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    @property
+    def last_page_lens(self) -> torch.Tensor:
+        return self.kv_lens - (self.indptr[1:] - self.indptr[:-1] - 1) * self.page_size
+
+    # --- AITER: qo_indptr-style page-level kv_indptr, kv_indices, kv_last_page_lens
+    def to_aiter(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        i32 = torch.int32
+        return self.indptr.to(i32), self.indices.to(i32), self.last_page_lens.to(i32)
+
+    @classmethod
+    def from_aiter(
+        cls, page_size: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+        kv_last_page_lens: torch.Tensor,
+    ) -> PageTable:
+        indptr = kv_indptr.long().cpu()
+        n_pages = indptr[1:] - indptr[:-1]
+        kv_lens = (n_pages - 1) * page_size + kv_last_page_lens.long().cpu()
+        return cls(page_size, indptr, kv_indices.long().cpu()[: int(indptr[-1])], kv_lens)
+
+    # --- vLLM: block_table [B, max_pages] (padding = pad_value) + seq_lens
+    def to_vllm(self, pad_value: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = self.indptr[1:] - self.indptr[:-1]
+        width = int(counts.max()) if self.batch else 0
+        table = torch.full((self.batch, width), pad_value, dtype=torch.int32)
+        for r in range(self.batch):
+            table[r, : int(counts[r])] = self.pages_of(r).to(torch.int32)
+        return table, self.kv_lens.to(torch.int32)
+
+    @classmethod
+    def from_vllm(cls, page_size: int, block_table: torch.Tensor, seq_lens: torch.Tensor) -> PageTable:
+        kv_lens = seq_lens.long().cpu()
+        counts = pages_needed(kv_lens, page_size)
+        indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int64)
+        indptr[1:] = torch.cumsum(counts, 0)
+        bt = block_table.long().cpu()
+        indices = torch.cat([bt[r, : int(counts[r])] for r in range(len(kv_lens))]) if len(kv_lens) else bt.new_zeros(0)
+        return cls(page_size, indptr, indices, kv_lens)
+
+    # --- FlashInfer: kv_indptr, kv_indices, kv_len_arr
+    def to_flashinfer(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        i32 = torch.int32
+        return self.indptr.to(i32), self.indices.to(i32), self.kv_lens.to(i32)
+
+    @classmethod
+    def from_flashinfer(
+        cls, page_size: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_len_arr: torch.Tensor
+    ) -> PageTable:
+        indptr = kv_indptr.long().cpu()
+        return cls(page_size, indptr, kv_indices.long().cpu()[: int(indptr[-1])], kv_len_arr.long().cpu())
+
+    def same_as(self, other: PageTable) -> bool:
+        return (
+            self.page_size == other.page_size
+            and torch.equal(self.indptr, other.indptr)
+            and torch.equal(self.indices, other.indices)
+            and torch.equal(self.kv_lens, other.kv_lens)
+        )
+
+
+def pages_needed(kv_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    return (kv_lens + page_size - 1) // page_size
+
+
+def assign_pages(
+    kv_lens: Sequence[int], page_size: int, page_bytes: int, placement: Placement,
+    gen: torch.Generator,
+) -> tuple[PageTable, int]:
+    """Physical page ids per request for a placement; returns (table, pool page count)."""
+    lens = torch.tensor(list(kv_lens), dtype=torch.int64)
+    counts = pages_needed(lens, page_size)
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(counts, 0)
+    live = int(indptr[-1])
+    spare = placement.spare_pages
+    if placement.kind == "packed":
+        ids = torch.arange(live)
+        pool_pages = live + spare
+    elif placement.kind == "shuffled":
+        pool_pages = live + spare
+        ids = torch.randperm(pool_pages, generator=gen)[:live]
+    else:  # high: straddle offset_bytes, half the live pages below it, half above
+        boundary_page = math.ceil(placement.offset_bytes / page_bytes)
+        first = max(0, boundary_page - live // 2)
+        window = live + spare
+        ids = first + torch.randperm(window, generator=gen)[:live]
+        pool_pages = first + window
+    return PageTable(page_size, indptr, ids.to(torch.int64), lens), pool_pages
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def to_vectorized_k(k: torch.Tensor, vec: int) -> torch.Tensor:
+    """[P, ps, H, D] -> CK vectorized K [P, H, D/vec, ps, vec]."""
+    p, ps, h, d = k.shape
+    return k.reshape(p, ps, h, d // vec, vec).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def from_vectorized_k(k: torch.Tensor) -> torch.Tensor:
+    p, h, dv, ps, vec = k.shape
+    return k.permute(0, 3, 1, 2, 4).reshape(p, ps, h, dv * vec)
+
+
+def to_vectorized_v(v: torch.Tensor, vec: int) -> torch.Tensor:
+    """[P, ps, H, D] -> CK vectorized V [P, H, ps/vec, D, vec]."""
+    p, ps, h, d = v.shape
+    return v.reshape(p, ps // vec, vec, h, d).permute(0, 3, 1, 4, 2).contiguous()
+
+
+def from_vectorized_v(v: torch.Tensor) -> torch.Tensor:
+    p, h, psv, d, vec = v.shape
+    return v.permute(0, 2, 4, 1, 3).reshape(p, psv * vec, h, d)
+
+
+# --------------------------------------------------------------------------- pools
+
+
+def _fill_bits(t: torch.Tensor, fmt_name: str, value: str | float) -> None:
+    """Fill t (any format) with NaN ("nan") or a finite value, in one device fill."""
+    if value == "nan":
+        bits_dtype, bits = fp8.nan_fill_value(fmt_name)
+        t.view(bits_dtype).fill_(bits)
+    elif t.dtype.itemsize == 1:  # fp8: fill the byte code of the value
+        code = torch.tensor([float(value)]).to(t.dtype).view(torch.uint8).item()
+        t.view(torch.uint8).fill_(code)
+    else:
+        t.fill_(float(value))
+
+
+@dataclass
+class KVPool:
+    """One paged pool tensor (K, V or the 576-wide latent) and its page table.
+
+    `data` holds stored elements in `fmt` with `scale` as dequantisation factor; its
+    layout is linear [P, ps, H, D] or CK vectorized (K or V flavour, see `kind`).
+    """
+
+    data: torch.Tensor
+    fmt: str
+    scale: torch.Tensor
+    table: PageTable
+    layout: str = "linear"
+    kind: str = "latent"  # latent | k | v (which vectorized flavour applies)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.data[0].numel() * self.data.element_size()
+
+    @property
+    def num_pages(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def linear(self) -> torch.Tensor:
+        """The pool in linear layout [P, ps, H, D] (a view or a copy)."""
+        if self.layout == "linear":
+            return self.data
+        return from_vectorized_k(self.data) if self.kind == "k" else from_vectorized_v(self.data)
+
+    def gather(self, r: int, dequant: bool = True) -> torch.Tensor:
+        """Request r's tokens [kv_len, H, D] read through the page table (fp32 if dequant)."""
+        pages = self.table.pages_of(r).to(self.data.device)
+        if self.layout == "linear":
+            blk = _select_pages(self.data, pages)
+        else:
+            sub = _select_pages(self.data, pages)
+            blk = from_vectorized_k(sub) if self.kind == "k" else from_vectorized_v(sub)
+        tokens = blk.reshape(-1, *blk.shape[2:])[: int(self.table.kv_lens[r])]
+        return fp8.dequantize(tokens, self.scale) if dequant else tokens
+
+    def byte_range(self, r: int) -> tuple[int, int]:
+        """[lo, hi) byte offsets in the pool spanned by request r's pages."""
+        pages = self.table.pages_of(r)
+        return int(pages.min()) * self.page_bytes, (int(pages.max()) + 1) * self.page_bytes
+
+    def page_byte_range(self, page: int) -> tuple[int, int]:
+        return page * self.page_bytes, (page + 1) * self.page_bytes
+
+
+def byte_region(lo: int, hi: int) -> str:
+    """Human name of a byte range relative to the 2^31 / 2^32 boundaries."""
+    def side(x: int) -> str:
+        if x < 1 << 31:
+            return "below 2^31"
+        return "2^31..2^32" if x < 1 << 32 else "above 2^32"
+    a, b = side(lo), side(max(lo, hi - 1))
+    return a if a == b else f"{a} .. {b}"
+
+
+def build_pool(
+    values: Sequence[torch.Tensor],
+    table: PageTable,
+    pool_pages: int,
+    fmt_name: str,
+    scale: torch.Tensor,
+    device: torch.device | str,
+    layout: str = "linear",
+    kind: str = "latent",
+    tail_poison: str = "nan",
+) -> KVPool:
+    """Allocate + poison the pool on `device` in one fill, then write only live pages.
+
+    values[r]: request r's tokens [kv_len, H, D], already in the stored format.
+    """
+    f = fp8.fmt(fmt_name)
+    ps = table.page_size
+    h, d = values[0].shape[1:]
+    lin_shape = (ps, h, d)
+    if layout == "linear":
+        page_shape = lin_shape
+    else:
+        vec = vector_width(fmt_name)
+        page_shape = (h, d // vec, ps, vec) if kind == "k" else (h, ps // vec, d, vec)
+    data = torch.empty((pool_pages, *page_shape), dtype=f.dtype, device=device)
+    _fill_bits(data, fmt_name, "nan")
+    tail = "nan" if tail_poison == "nan" else fp8.sentinel_value(fmt_name)
+    for r, v in enumerate(values):
+        n_pages = int(table.indptr[r + 1] - table.indptr[r])
+        blk = torch.empty((n_pages * ps, h, d), dtype=f.dtype, device=device)
+        _fill_bits(blk[v.shape[0] :], fmt_name, tail)
+        blk[: v.shape[0]] = v.to(device)
+        blk = blk.view(n_pages, *lin_shape)
+        if layout == "vectorized":
+            blk = to_vectorized_k(blk, vec) if kind == "k" else to_vectorized_v(blk, vec)
+        bits = _bits(f.dtype)  # index_copy_ has no fp8 kernels: copy the bit patterns
+        data.view(bits).index_copy_(0, table.pages_of(r).to(device), blk.contiguous().view(bits))
+    return KVPool(data, fmt_name, scale.to(device), table, layout, kind)
+
+
+def free_pages(pool: KVPool) -> torch.Tensor:
+    """Pool page ids that belong to no request (poisoned)."""
+    used = torch.zeros(pool.num_pages, dtype=torch.bool)
+    used[pool.table.indices] = True
+    return torch.nonzero(~used).flatten()
+
+
+# --------------------------------------------------------------------------- guards
+
+
+@dataclass
+class Guarded:
+    """An output buffer with GUARD_ROWS poisoned rows before and after the real rows."""
+
+    full: torch.Tensor
+
+    @property
+    def out(self) -> torch.Tensor:
+        """The view a kernel writes into."""
+        return self.full[GUARD_ROWS : self.full.shape[0] - GUARD_ROWS]
+
+    def violations(self) -> list[str]:
+        """Which guard rows were written (bit-level comparison), as messages."""
+        expect = torch.full_like(self.full[:1], GUARD_VALUE)
+        bad = []
+        n = self.out.shape[0]
+        for i in range(GUARD_ROWS):
+            for name, row in (("before", i), ("after", self.full.shape[0] - GUARD_ROWS + i)):
+                got = self.full[row : row + 1]
+                same = got.view(_bits(got.dtype)) == expect.view(_bits(got.dtype))
+                if not bool(same.all()):
+                    where = f"row {row - GUARD_ROWS}" if name == "before" else f"row {n + i}"
+                    bad.append(
+                        f"guard {where} ({name} the {n} output rows) was written: "
+                        f"{int((~same).sum())} elements changed"
+                    )
+        return bad
+
+
+def _select_pages(data: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    bits = _bits(data.dtype)  # index_select has no fp8 kernels either
+    return data.view(bits).index_select(0, pages).view(data.dtype)
+
+
+def _bits(dtype: torch.dtype) -> torch.dtype:
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+
+
+def guarded_empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> Guarded:
+    full = torch.full((shape[0] + 2 * GUARD_ROWS, *shape[1:]), GUARD_VALUE, dtype=dtype, device=device)
+    return Guarded(full)

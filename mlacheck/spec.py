@@ -1,0 +1,484 @@
+"""MLA dimensions, case types and case ids.
+
+A case is a frozen, JSON-serialisable description of one kernel invocation. Everything
+else (tensors, pools, references, verdicts) is derived from it deterministically, so a
+case id is enough to reproduce a failure anywhere (`mlacheck replay <id|case.json>`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+# --------------------------------------------------------------------------- dims
+
+Op = Literal["mla_prefill", "mla_decode", "mla_sparse_decode", "paged_prefill"]
+OPS: tuple[str, ...] = ("mla_prefill", "mla_decode", "mla_sparse_decode", "paged_prefill")
+
+FORMATS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8_e4m3fn", "fp8_e4m3fnuz")
+ScalePolicy = Literal["unit", "amax"]
+Layout = Literal["linear", "vectorized"]
+PlacementKind = Literal["packed", "shuffled", "high"]
+Profile = Literal["realistic", "stress"]
+TailPoison = Literal["nan", "sentinel"]
+
+# Bytes per element of each format (kept here so spec needs no torch).
+FORMAT_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3fn": 1, "fp8_e4m3fnuz": 1}
+# CK's vectorized KV layout packs 16 bytes per vector: vec = 16 // element size.
+VECTOR_BYTES = 16
+
+
+def vector_width(fmt: str) -> int:
+    return VECTOR_BYTES // FORMAT_BYTES[fmt]
+
+
+@dataclass(frozen=True)
+class MLADims:
+    """Per-head dims of one MLA layer. Defaults: DeepSeek-V2/V3/R1/V3.2."""
+
+    qk_nope: int = 128
+    qk_rope: int = 64
+    v_head: int = 128
+    kv_lora_rank: int = 512
+    # YaRN rope scaling (DeepSeek-V3/R1: factor 40, mscale_all_dim 1.0); factor <= 1 = none.
+    rope_factor: float = 40.0
+    mscale_all_dim: float = 1.0
+
+    @property
+    def qk_head(self) -> int:
+        """q/k width in the MHA (prefill) view: 192."""
+        return self.qk_nope + self.qk_rope
+
+    @property
+    def latent(self) -> int:
+        """Width of one cached latent token `[c_kv ‖ k_pe]`: 576."""
+        return self.kv_lora_rank + self.qk_rope
+
+    @property
+    def softmax_scale(self) -> float:
+        return softmax_scale(self)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """DeepSeek's `yarn_get_mscale`: 0.1 * mscale * ln(factor) + 1 (1 when no scaling)."""
+    if factor <= 1.0:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+def softmax_scale(dims: MLADims) -> float:
+    """1/sqrt(qk_nope + qk_rope) * mscale^2: the SAME scale in the MHA and absorbed views.
+
+    DeepSeek-V3/R1 (factor 40, mscale_all_dim 1.0): 0.135234. Never 1/sqrt(576) (AITER and
+    FlashMLA decode defaults) nor 1/sqrt(128) (AITER fp8 prefill default).
+    """
+    m = yarn_mscale(dims.rope_factor, dims.mscale_all_dim)
+    return m * m / math.sqrt(dims.qk_head)
+
+
+DEEPSEEK_V3 = MLADims()
+NO_YARN = MLADims(rope_factor=1.0)
+
+# --------------------------------------------------------------------------- parts
+
+
+@dataclass(frozen=True)
+class Quant:
+    """Element formats of the inputs a kernel receives and how their scales are picked.
+
+    `q`/`kv` are format names from `FORMATS`. For fp8 formats `scale` says how the
+    dequantisation factor is chosen: "unit" (cast as is: what vLLM's FP8 ASM prefill does)
+    or "amax" (amax / format max: what a calibrated path does). `per_token` scales are
+    per token (row) instead of per tensor.
+    """
+
+    q: str = "bf16"
+    kv: str = "bf16"
+    scale: ScalePolicy = "amax"
+    per_token: bool = False
+
+    def __post_init__(self) -> None:
+        for f in (self.q, self.kv):
+            if f not in FORMATS:
+                raise ValueError(f"unknown format {f!r}; known: {', '.join(FORMATS)}")
+        if self.scale not in ("unit", "amax"):
+            raise ValueError(f"scale policy must be 'unit' or 'amax', not {self.scale!r}")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.q.startswith("fp8") or self.kv.startswith("fp8")
+
+    @property
+    def slug(self) -> str:
+        fmt = self.q if self.q == self.kv else f"{self.q}-{self.kv}"
+        fmt = fmt.replace("fp8_", "")
+        if self.is_fp8:
+            fmt += f"-{self.scale}" + ("-tok" if self.per_token else "")
+        return fmt
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where live KV pages sit in the pool.
+
+    packed: pages 0..n-1 in request order; shuffled: a seeded permutation of a pool with
+    `spare_pages` free pages interleaved; high: the pool is sized past `offset_bytes` and the
+    live pages straddle that byte offset (half below, half above, shuffled), so 32-bit
+    offset arithmetic (2^31 signed / 2^32 unsigned) is exercised by real requests.
+    """
+
+    kind: PlacementKind = "shuffled"
+    offset_bytes: int = 0
+    spare_pages: int = 8
+    # What fills a partial last page's tail: NaN (any use or unmasked read shows) or a large
+    # finite sentinel (only a kernel that *uses* the tail shows: tells reads-but-masks apart).
+    tail_poison: TailPoison = "nan"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("packed", "shuffled", "high"):
+            raise ValueError(f"placement must be packed, shuffled or high, not {self.kind!r}")
+        if self.kind == "high" and self.offset_bytes <= 0:
+            raise ValueError("high placement needs offset_bytes > 0 (e.g. 2**31 or 2**32)")
+        if self.tail_poison not in ("nan", "sentinel"):
+            raise ValueError(f"tail_poison must be 'nan' or 'sentinel', not {self.tail_poison!r}")
+        if self.spare_pages < 0:
+            raise ValueError("spare_pages must be >= 0")
+
+    @property
+    def slug(self) -> str:
+        s = f"high{self.offset_bytes.bit_length() - 1}" if self.kind == "high" else self.kind
+        return s + ("-sentinel" if self.tail_poison == "sentinel" else "")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One prefill request: `q_len` new tokens attending to `context_len` cached ones + itself."""
+
+    q_len: int
+    context_len: int = 0
+
+    @property
+    def kv_len(self) -> int:
+        return self.context_len + self.q_len
+
+
+@dataclass(frozen=True)
+class Request:
+    """One decode request: `q_len` query tokens (1, or 2..4 for MTP) over `kv_len` cached ones
+    (the kv includes the query tokens themselves, as in a serving engine)."""
+
+    q_len: int
+    kv_len: int
+
+
+@dataclass(frozen=True)
+class Paging:
+    """Paged K/V for CK-style batch prefill."""
+
+    page_size: int = 16
+    layout: Layout = "linear"
+
+
+# --------------------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True)
+class _CaseBase:
+    kind: ClassVar[str] = ""
+    op: ClassVar[str] = ""
+
+    def to_json(self) -> str:
+        return json.dumps(case_to_dict(self), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def id(self) -> str:
+        """Stable id: readable slug + short content hash (the hash makes it unique)."""
+        digest = hashlib.sha256(self.to_json().encode()).hexdigest()[:8]
+        return f"{self.slug}-{digest}"
+
+    @property
+    def slug(self) -> str:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    @property
+    def seed_material(self) -> int:
+        """Seed of the case's torch.Generator: the case content itself (so same case, same data)."""
+        return int(hashlib.sha256(self.to_json().encode()).hexdigest()[:15], 16)
+
+    @property
+    def softmax_scale(self) -> float:
+        return softmax_scale(self.dims)  # type: ignore[attr-defined]
+
+
+def _check_common(num_heads: int, seed: int) -> None:
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+
+
+@dataclass(frozen=True)
+class PrefillCase(_CaseBase):
+    """MHA-form prefill (q/k 192, v 128) over ragged segments, optionally paged (CK batch prefill)."""
+
+    kind: ClassVar[str] = "prefill"
+    segments: tuple[Segment, ...] = (Segment(64),)
+    num_heads: int = 16
+    causal: bool = True
+    quant: Quant = Quant()
+    soft_cap: float = 0.0
+    return_lse: bool = True
+    paging: Paging | None = None
+    placement: Placement = Placement()
+    profile: Profile = "realistic"
+    dims: MLADims = DEEPSEEK_V3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_common(self.num_heads, self.seed)
+        if not self.segments:
+            raise ValueError("a prefill case needs at least one segment")
+        for s in self.segments:
+            if s.q_len < 1 or s.context_len < 0:
+                raise ValueError(f"bad segment {s}: q_len >= 1 and context_len >= 0")
+        if self.soft_cap < 0:
+            raise ValueError("soft_cap must be >= 0 (0 = off)")
+        if self.paging is not None:
+            _check_page_size(self.paging.page_size)
+            vec = vector_width(self.quant.kv)
+            if self.paging.layout == "vectorized" and self.paging.page_size % vec:
+                raise ValueError(
+                    f"vectorized layout needs page_size % {vec} == 0 for {self.quant.kv} "
+                    f"(vec = 16 bytes / element), got {self.paging.page_size}"
+                )
+            if self.paging.layout not in ("linear", "vectorized"):
+                raise ValueError(f"layout must be linear or vectorized, not {self.paging.layout!r}")
+
+    @property
+    def op(self) -> str:  # type: ignore[override]
+        return "paged_prefill" if self.paging is not None else "mla_prefill"
+
+    @property
+    def total_q(self) -> int:
+        return sum(s.q_len for s in self.segments)
+
+    @property
+    def total_kv(self) -> int:
+        return sum(s.kv_len for s in self.segments)
+
+    @property
+    def slug(self) -> str:
+        segs = len(self.segments)
+        ctx = sum(s.context_len for s in self.segments)
+        parts = [
+            "pf",
+            f"s{segs}",
+            f"q{self.total_q}",
+            f"ctx{ctx}" if ctx else "",
+            f"h{self.num_heads}",
+            self.quant.slug,
+            "causal" if self.causal else "full",
+            f"cap{self.soft_cap:g}" if self.soft_cap else "",
+            f"p{self.paging.page_size}{self.paging.layout[:3]}" if self.paging else "",
+            self.placement.slug if self.paging else "",
+            "stress" if self.profile == "stress" else "",
+        ]
+        return "-".join(p for p in parts if p)
+
+
+@dataclass(frozen=True)
+class DecodeCase(_CaseBase):
+    """Absorbed-MQA decode (q 576, kv 576 latent, out 512) over a paged latent pool."""
+
+    kind: ClassVar[str] = "decode"
+    op: ClassVar[str] = "mla_decode"
+    requests: tuple[Request, ...] = (Request(1, 256),)
+    num_heads: int = 16
+    page_size: int = 16
+    quant: Quant = Quant()
+    placement: Placement = Placement()
+    profile: Profile = "realistic"
+    dims: MLADims = DEEPSEEK_V3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_common(self.num_heads, self.seed)
+        _check_page_size(self.page_size)
+        _check_requests(self.requests)
+
+    @property
+    def total_q(self) -> int:
+        return sum(r.q_len for r in self.requests)
+
+    @property
+    def max_q_len(self) -> int:
+        return max(r.q_len for r in self.requests)
+
+    @property
+    def slug(self) -> str:
+        kv = [r.kv_len for r in self.requests]
+        parts = [
+            "dec",
+            f"b{len(self.requests)}",
+            f"mtp{self.max_q_len}" if self.max_q_len > 1 else "",
+            f"kv{max(kv)}" if min(kv) == max(kv) else f"kv{min(kv)}-{max(kv)}",
+            f"h{self.num_heads}",
+            f"p{self.page_size}",
+            self.quant.slug,
+            self.placement.slug,
+            "stress" if self.profile == "stress" else "",
+        ]
+        return "-".join(p for p in parts if p)
+
+
+@dataclass(frozen=True)
+class SparseDecodeCase(_CaseBase):
+    """DeepSeek-V3.2 sparse decode: each query token attends to its own top-k kv positions.
+
+    Token i of a request sees the causal prefix `kv_len - q_len + i + 1`; it selects
+    `min(topk, visible)` positions (at most `valid_cap` when set, to get lengths < topk
+    even on long contexts) and pads the rest of its `topk` row with -1.
+    """
+
+    kind: ClassVar[str] = "sparse"
+    op: ClassVar[str] = "mla_sparse_decode"
+    requests: tuple[Request, ...] = (Request(1, 2048),)
+    topk: int = 2048
+    valid_cap: int | None = None
+    num_heads: int = 16
+    page_size: int = 64
+    quant: Quant = Quant()
+    placement: Placement = Placement()
+    profile: Profile = "realistic"
+    dims: MLADims = DEEPSEEK_V3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_common(self.num_heads, self.seed)
+        _check_page_size(self.page_size)
+        _check_requests(self.requests)
+        if self.topk < 1:
+            raise ValueError("topk must be >= 1")
+        if self.valid_cap is not None and not 0 <= self.valid_cap <= self.topk:
+            raise ValueError("valid_cap must be in [0, topk]")
+
+    @property
+    def total_q(self) -> int:
+        return sum(r.q_len for r in self.requests)
+
+    @property
+    def max_q_len(self) -> int:
+        return max(r.q_len for r in self.requests)
+
+    @property
+    def slug(self) -> str:
+        kv = [r.kv_len for r in self.requests]
+        parts = [
+            "sparse",
+            f"b{len(self.requests)}",
+            f"mtp{self.max_q_len}" if self.max_q_len > 1 else "",
+            f"kv{max(kv)}" if min(kv) == max(kv) else f"kv{min(kv)}-{max(kv)}",
+            f"top{self.topk}",
+            f"cap{self.valid_cap}" if self.valid_cap is not None else "",
+            f"h{self.num_heads}",
+            f"p{self.page_size}",
+            self.quant.slug,
+            self.placement.slug,
+        ]
+        return "-".join(p for p in parts if p)
+
+
+Case = PrefillCase | DecodeCase | SparseDecodeCase
+CASE_TYPES: dict[str, type] = {c.kind: c for c in (PrefillCase, DecodeCase, SparseDecodeCase)}
+
+MAX_PAGE_SIZE = 1024  # largest page size any supported library uses (CK batch prefill)
+
+
+def _check_page_size(page_size: int) -> None:
+    if not 1 <= page_size <= MAX_PAGE_SIZE:
+        raise ValueError(f"page_size must be in 1..{MAX_PAGE_SIZE}, got {page_size}")
+
+
+def _check_requests(requests: tuple[Request, ...]) -> None:
+    if not requests:
+        raise ValueError("a decode case needs at least one request")
+    for r in requests:
+        if r.q_len < 1 or r.kv_len < r.q_len:
+            raise ValueError(f"bad request {r}: need 1 <= q_len <= kv_len")
+
+
+# --------------------------------------------------------------------------- serialisation
+
+_NESTED: dict[str, Any] = {
+    "quant": Quant,
+    "placement": Placement,
+    "paging": Paging,
+    "dims": MLADims,
+}
+_SEQUENCES: dict[str, type] = {"segments": Segment, "requests": Request}
+
+
+def case_to_dict(case: Case) -> dict[str, Any]:
+    d = dataclasses.asdict(case)
+    d["kind"] = case.kind
+    return d
+
+
+def case_from_dict(d: dict[str, Any]) -> Case:
+    """Inverse of `case_to_dict`; raises ValueError with a one-line reason on bad input."""
+    d = dict(d)
+    kind = d.pop("kind", None)
+    if kind not in CASE_TYPES:
+        raise ValueError(f"unknown case kind {kind!r}; known: {', '.join(CASE_TYPES)}")
+    cls = CASE_TYPES[kind]
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        raise ValueError(f"unknown field(s) for a {kind} case: {', '.join(sorted(unknown))}")
+    try:
+        for key, sub in _NESTED.items():
+            if key in d and d[key] is not None:
+                d[key] = sub(**d[key])
+        for key, sub in _SEQUENCES.items():
+            if key in d:
+                d[key] = tuple(sub(**x) if isinstance(x, dict) else sub(*x) for x in d[key])
+        return cls(**d)
+    except TypeError as e:
+        raise ValueError(f"bad {kind} case: {e}") from None
+
+
+def case_from_json(text: str) -> Case:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"case is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError("case JSON must be an object")
+    return case_from_dict(data)
+
+
+__all__ = [
+    "CASE_TYPES",
+    "DEEPSEEK_V3",
+    "FORMATS",
+    "NO_YARN",
+    "OPS",
+    "Case",
+    "DecodeCase",
+    "MLADims",
+    "Paging",
+    "Placement",
+    "PrefillCase",
+    "Quant",
+    "Request",
+    "Segment",
+    "SparseDecodeCase",
+    "case_from_dict",
+    "case_from_json",
+    "case_to_dict",
+    "softmax_scale",
+]
