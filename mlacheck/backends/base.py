@@ -1,0 +1,160 @@
+"""The backend contract: what an MLA implementation declares and how it is called.
+
+An implementation declares, per op it provides, a `Capability`: the matrix asks
+`capability.why_not(case, device)` and an unsupported case becomes a SKIP that names the
+capability that ruled it out (never silently dropped). `run` receives the case and its
+inputs (see mlacheck.inputs) and returns an `Output` normalised to mlacheck's conventions:
+out [T, H, Dv], LSE [T, H] in natural log (or None), in the order of the case's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from mlacheck.inputs import Inputs
+from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
+
+
+@dataclass(frozen=True)
+class Range:
+    lo: int = 1
+    hi: int | None = None
+
+    def __contains__(self, x: object) -> bool:
+        return isinstance(x, int) and x >= self.lo and (self.hi is None or x <= self.hi)
+
+    def __str__(self) -> str:
+        return f"{self.lo}..{self.hi if self.hi is not None else 'inf'}"
+
+
+ANY = None  # a capability field left as ANY accepts every value
+
+
+@dataclass(frozen=True)
+class Capability:
+    """What one op of a backend supports. ANY (None) means unrestricted."""
+
+    q_formats: Collection[str] | None = ANY
+    kv_formats: Collection[str] | None = ANY
+    scale_policies: Collection[str] | None = ANY
+    per_token_scales: bool = False
+    page_sizes: Collection[int] | Range | None = ANY
+    layouts: Collection[str] | None = ANY
+    head_counts: Collection[int] | Range | None = ANY
+    q_len: Range = Range(1, None)
+    causal: Collection[bool] = (True, False)
+    lse: bool = True
+    soft_cap: bool = False
+    devices: Collection[str] = ("cpu", "cuda")
+    max_batch: int | None = None
+    max_topk: int | None = None
+    notes: str = ""
+
+    def why_not(self, case: Case, device: str) -> str | None:
+        """None if supported, else a one-line reason naming the capability."""
+        dev = torch.device(device).type
+        if dev not in self.devices:
+            return f"device {dev} not supported (devices: {', '.join(self.devices)})"
+        q = case.quant
+        checks: list[tuple[bool, str]] = [
+            (_ok(q.q, self.q_formats), f"q format {q.q} not in {_fmt(self.q_formats)}"),
+            (_ok(q.kv, self.kv_formats), f"kv format {q.kv} not in {_fmt(self.kv_formats)}"),
+            (not q.is_fp8 or _ok(q.scale, self.scale_policies),
+             f"fp8 scale policy {q.scale} not in {_fmt(self.scale_policies)}"),
+            (not q.per_token or self.per_token_scales, "per-token scales not supported"),
+            (_ok(case.num_heads, self.head_counts),
+             f"{case.num_heads} heads not in {_fmt(self.head_counts)}"),
+        ]
+        if isinstance(case, PrefillCase):
+            checks += [
+                (case.causal in self.causal, f"causal={case.causal} not supported"),
+                (not case.return_lse or self.lse, "LSE output not supported"),
+                (not case.soft_cap or self.soft_cap, "soft cap not supported"),
+                (all(s.q_len in self.q_len for s in case.segments), f"segment q_len outside {self.q_len}"),
+                (self.max_batch is None or len(case.segments) <= self.max_batch,
+                 f"{len(case.segments)} segments > max batch {self.max_batch}"),
+            ]
+            if case.paging is not None:
+                checks += [
+                    (_ok(case.paging.page_size, self.page_sizes),
+                     f"page size {case.paging.page_size} not in {_fmt(self.page_sizes)}"),
+                    (_ok(case.paging.layout, self.layouts),
+                     f"layout {case.paging.layout} not in {_fmt(self.layouts)}"),
+                ]
+        else:
+            assert isinstance(case, DecodeCase | SparseDecodeCase)
+            checks += [
+                (_ok(case.page_size, self.page_sizes),
+                 f"page size {case.page_size} not in {_fmt(self.page_sizes)}"),
+                (all(r.q_len in self.q_len for r in case.requests),
+                 f"q_len {case.max_q_len} outside {self.q_len}"),
+                (self.max_batch is None or len(case.requests) <= self.max_batch,
+                 f"batch {len(case.requests)} > max batch {self.max_batch}"),
+            ]
+            if isinstance(case, SparseDecodeCase):
+                checks.append((self.max_topk is None or case.topk <= self.max_topk,
+                               f"topk {case.topk} > max {self.max_topk}"))
+        for ok, reason in checks:
+            if not ok:
+                return reason
+        return None
+
+
+def _ok(value: Any, allowed: Collection[Any] | Range | None) -> bool:
+    return allowed is None or value in allowed
+
+
+def _fmt(allowed: Collection[Any] | Range | None) -> str:
+    if allowed is None:
+        return "any"
+    if isinstance(allowed, Range):
+        return str(allowed)
+    return "{" + ", ".join(str(a) for a in sorted(allowed, key=str)) + "}"
+
+
+@dataclass
+class Output:
+    """A backend's result, normalised: out [T, H, Dv]; lse [T, H] natural log or None.
+
+    `metadata` carries what the backend used that the judge can validate (e.g. AITER's
+    persistent-schedule buffers under key "persistent"); `wrote_into_guarded` says the
+    kernel wrote into `inputs.out` (so guard rows are meaningful).
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    wrote_into_guarded: bool = False
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What mlacheck calls. See docs/backends.md for a minimal example."""
+
+    name: str
+
+    def capabilities(self) -> dict[str, Capability]:
+        """Per op name ("mla_prefill", "mla_decode", "mla_sparse_decode", "paged_prefill")."""
+        ...
+
+    def unavailable(self) -> str | None:
+        """None when usable here, else why not (e.g. 'aiter not installed'): a SKIP reason."""
+        ...
+
+    def run(self, case: Case, inputs: Inputs) -> Output: ...
+
+
+def skip_reason(backend: Backend, case: Case, device: str) -> str | None:
+    """Why this backend cannot run this case here (None = it can)."""
+    why = backend.unavailable()
+    if why:
+        return f"{backend.name} unavailable: {why}"
+    cap = backend.capabilities().get(case.op)
+    if cap is None:
+        return f"{backend.name} does not provide op {case.op}"
+    why = cap.why_not(case, device)
+    return f"{backend.name} {case.op}: {why}" if why else None

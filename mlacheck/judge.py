@@ -1,0 +1,320 @@
+"""Metrics, the tolerance policy, verdicts and localisation.
+
+The judge sees only normalised tensors (out [T, H, Dv], LSE [T, H] natural log): adapters
+normalise, the judge never does. Every check is per row (row = one token x one head), so one
+corrupted request, head or page fails the case, and every failure says where.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from mlacheck import tolerances as tol
+from mlacheck.backends.base import Output
+from mlacheck.golden.core import Result
+from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
+from mlacheck.kvcache import byte_region
+from mlacheck.spec import Case, PrefillCase
+
+PASS, FAIL, CRASH, SKIP = "PASS", "FAIL", "CRASH", "SKIP"
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    value: float | None = None
+    bound: float | None = None
+    detail: str = ""
+
+
+@dataclass
+class Where:
+    """One localised failure: which request/segment, tokens, heads, pages, pool bytes."""
+
+    check: str
+    request: int
+    tokens: tuple[int, int]  # [first, last] global token rows
+    request_tokens: tuple[int, int]  # [first, last] within the request
+    heads: list[int]
+    worst: float
+    bound: float
+    pages: list[int] = field(default_factory=list)
+    bytes: tuple[int, int] | None = None
+    region: str = ""
+
+    def message(self, unit: str) -> str:
+        kind = "segment" if unit == "segment" else "request"
+        h = _ranges(self.heads)
+        s = (
+            f"{self.check}: {kind} {self.request} tokens {self.request_tokens[0]}-"
+            f"{self.request_tokens[1]} (rows {self.tokens[0]}-{self.tokens[1]}), heads {h}: "
+            f"worst {self.worst:.3g} > bound {self.bound:.3g}"
+        )
+        if self.pages:
+            s += f"; pages {_ranges(self.pages, 12)}"
+        if self.bytes:
+            s += f", pool bytes {self.bytes[0]:#x}-{self.bytes[1]:#x} ({self.region})"
+        return s
+
+
+@dataclass
+class Verdict:
+    case_id: str
+    backend: str
+    op: str
+    status: str
+    reason: str = ""
+    checks: list[Check] = field(default_factory=list)
+    where: list[Where] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    case: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def failed_checks(self) -> list[Check]:
+        return [c for c in self.checks if not c.passed]
+
+    def summary(self) -> str:
+        """One screen a kernel engineer can act on."""
+        head = f"{self.status} {self.backend} {self.case_id}"
+        if self.reason:
+            head += f": {self.reason}"
+        lines = [head]
+        for c in self.failed_checks:
+            b = f" (value {c.value:.3g}, bound {c.bound:.3g})" if c.value is not None and c.bound is not None else ""
+            lines.append(f"  check {c.name} failed{b}{': ' + c.detail if c.detail else ''}")
+        unit = "segment" if self.op in ("mla_prefill", "paged_prefill") else "request"
+        lines += [f"  at {w.message(unit)}" for w in self.where[:12]]
+        if len(self.where) > 12:
+            lines.append(f"  ... and {len(self.where) - 12} more locations")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), default=_json_default, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Verdict:
+        d = dict(d)
+        d["checks"] = [Check(**c) for c in d.get("checks", [])]
+        d["where"] = [
+            Where(**{**w, "tokens": tuple(w["tokens"]), "request_tokens": tuple(w["request_tokens"]),
+                     "bytes": tuple(w["bytes"]) if w.get("bytes") else None})
+            for w in d.get("where", [])
+        ]
+        return cls(**d)
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float):
+        return repr(o)
+    if isinstance(o, tuple):
+        return list(o)
+    return str(o)
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def row_errors(out: torch.Tensor, gold: torch.Tensor) -> torch.Tensor:
+    """Relative L2 error per row (token x head): ||o - g|| / max(||g||, tiny), fp64 [T, H]."""
+    o, g = out.double(), gold.double()
+    norm = g.norm(dim=-1).clamp_min(tol.TINY_ROW_NORM * g.shape[-1] ** 0.5)
+    return (o - g).norm(dim=-1) / norm
+
+
+def row_max_abs(out: torch.Tensor, gold: torch.Tensor) -> torch.Tensor:
+    return (out.double() - gold.double()).abs().amax(dim=-1)
+
+
+def row_cosine_distance(out: torch.Tensor, gold: torch.Tensor) -> torch.Tensor:
+    return 1 - torch.nn.functional.cosine_similarity(out.double(), gold.double(), dim=-1)
+
+
+def tensor_rel_l2(out: torch.Tensor, gold: torch.Tensor) -> float:
+    g = gold.double()
+    return float((out.double() - g).norm() / g.norm().clamp_min(tol.TINY_ROW_NORM))
+
+
+# --------------------------------------------------------------------------- verdict
+
+
+def verdict(
+    case: Case,
+    inputs: Inputs,
+    output: Output,
+    gold: Result,
+    baseline: Output,
+    ideal: Result | None = None,
+    backend: str = "",
+) -> Verdict:
+    """Judge one case: the kernel's output against the golden, bounded by the baseline."""
+    v = Verdict(case.id, backend, case.op, PASS, case=json.loads(case.to_json()))
+    checks, where = v.checks, v.where
+    rows_bad = torch.zeros(gold.out.shape[:2], dtype=torch.bool)
+    out = output.out.detach().cpu()
+    g_out, g_lse = gold.out.detach().cpu(), gold.lse.detach().cpu()
+    b_out = baseline.out.detach().cpu()
+
+    expect = tuple(g_out.shape)
+    if tuple(out.shape) != expect:
+        checks.append(Check("shape", False, detail=f"output shape {tuple(out.shape)} != {expect}"))
+        v.status = FAIL
+        return v
+
+    # NaN/Inf exactly where the golden has them (row level); those rows leave the numeric checks.
+    k_bad = ~torch.isfinite(out).all(-1)
+    g_bad = ~torch.isfinite(g_out).all(-1)
+    mismatch = k_bad ^ g_bad
+    checks.append(Check("nonfinite", not bool(mismatch.any()), float(mismatch.sum()), 0.0,
+                        _nonfinite_detail(k_bad, g_bad)))
+    if mismatch.any():
+        where += localise(inputs, mismatch, torch.full(mismatch.shape, float("inf")), 0.0, "nonfinite")
+    finite = ~(k_bad | g_bad)
+
+    # Per-row error vs the exact golden, bounded by the baseline's worst row.
+    q_fmt, p_fmt = case.quant.q, tol.compute_format(case.quant.q, case.quant.kv)
+    err = row_errors(out, g_out).masked_fill(~finite, 0.0)
+    b_err = row_errors(b_out, g_out).masked_fill(~finite | ~torch.isfinite(b_out).all(-1), 0.0)
+    base = float(b_err.max()) if b_err.numel() else 0.0
+    floor = tol.row_floor(q_fmt)
+    bound = min(tol.ROW_FACTOR * base + floor, tol.ROW_BUDGET[p_fmt])
+    worst = float(err.max()) if err.numel() else 0.0
+    bad = err > bound
+    checks.append(Check("row_error", not bool(bad.any()), worst, bound,
+                        f"{int(bad.sum())} of {int(finite.sum())} rows; bound = min({tol.ROW_FACTOR:g} x "
+                        f"baseline worst row {base:.3g} + floor {floor:.3g}, budget {tol.ROW_BUDGET[p_fmt]:.3g})"))
+    if bad.any():
+        rows_bad |= bad
+        where += localise(inputs, bad, err, bound, "row_error")
+
+    # Tensor-wide relative L2 (on finite rows).
+    fin = finite.unsqueeze(-1)
+    t_err = tensor_rel_l2(out * fin, g_out * fin)
+    t_base = tensor_rel_l2(torch.nan_to_num(b_out) * fin, g_out * fin)
+    t_bound = tol.TENSOR_FACTOR * t_base + floor
+    checks.append(Check("tensor_rel_l2", t_err <= t_bound, t_err, t_bound))
+
+    # LSE (natural log), where the case asks for it.
+    wants_lse = not isinstance(case, PrefillCase) or case.return_lse
+    if wants_lse and output.lse is not None:
+        where += _check_lse(inputs, output.lse.detach().cpu(), g_lse, baseline, checks)
+    elif wants_lse and output.lse is None:
+        checks.append(Check("lse", True, detail="backend returns no LSE (capability); not checked"))
+
+    # Guard rows around the output buffer.
+    if output.wrote_into_guarded:
+        viol = inputs.out.violations()
+        checks.append(Check("guards", not viol, float(len(viol)), 0.0, "; ".join(viol)))
+
+    # What quantisation costs: error vs the golden on unquantised inputs, against a budget.
+    if ideal is not None:
+        i_out = ideal.out.detach().cpu()
+        i_err = row_errors(out, i_out)
+        i_err = torch.where(torch.isfinite(i_err), i_err, torch.full_like(i_err, float("inf")))
+        i_worst = float(i_err.max())
+        i_bound = tol.IDEAL_BUDGET[p_fmt]
+        ibad = i_err > i_bound
+        checks.append(Check("quantisation_loss", not bool(ibad.any()), i_worst, i_bound,
+                            f"{int(ibad.sum())} rows beyond the {p_fmt} budget vs unquantised inputs"))
+        if ibad.any():
+            where += localise(inputs, ibad, i_err, i_bound, "quantisation_loss")
+        v.metrics["ideal_worst_row"] = i_worst
+
+    v.metrics.update(
+        worst_row=worst, bound=bound, baseline_worst_row=base, tensor_rel_l2=t_err,
+        baseline_tensor_rel_l2=t_base,
+        max_abs=float(row_max_abs(out, g_out).masked_fill(~finite, 0).max()),
+        max_cosine_distance=float(row_cosine_distance(out, g_out).masked_fill(~finite, 0).max()),
+        rows=int(err.numel()),
+    )
+    if any(not c.passed for c in checks):
+        v.status = FAIL
+        v.reason = ", ".join(c.name for c in checks if not c.passed)
+    return v
+
+
+def _check_lse(inputs: Inputs, lse: torch.Tensor, g_lse: torch.Tensor, baseline: Output,
+               checks: list[Check]) -> list[Where]:
+    if tuple(lse.shape) != tuple(g_lse.shape):
+        checks.append(Check("lse", False, detail=f"LSE shape {tuple(lse.shape)} != {tuple(g_lse.shape)}"))
+        return []
+    lse, g = lse.double(), g_lse.double()
+    g_empty = torch.isneginf(g)
+    same_empty = torch.isneginf(lse) == g_empty
+    diff = (lse - g).abs().masked_fill(g_empty, 0.0)
+    diff = torch.where(torch.isfinite(lse) | g_empty, diff, torch.full_like(diff, float("inf")))
+    diff = diff.masked_fill(~same_empty, float("inf"))
+    b = baseline.lse.detach().cpu().double() if baseline.lse is not None else g
+    b_diff = (b - g).abs().masked_fill(g_empty | ~torch.isfinite(b), 0.0)
+    bound = tol.LSE_FACTOR * float(b_diff.max()) + tol.LSE_FLOOR
+    bad = diff > bound
+    checks.append(Check("lse", not bool(bad.any()), float(diff.max()), bound,
+                        f"{int(bad.sum())} rows; natural-log LSE"))
+    return localise(inputs, bad, diff, bound, "lse") if bad.any() else []
+
+
+def _nonfinite_detail(k_bad: torch.Tensor, g_bad: torch.Tensor) -> str:
+    extra, missing = int((k_bad & ~g_bad).sum()), int((g_bad & ~k_bad).sum())
+    parts = []
+    if extra:
+        parts.append(f"{extra} rows NaN/Inf where the golden is finite (reads poisoned pages/tails?)")
+    if missing:
+        parts.append(f"{missing} rows finite where the golden is NaN/Inf")
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------- localisation
+
+
+def request_bounds(inputs: Inputs) -> list[int]:
+    """Token-row boundaries of each request/segment (CSR)."""
+    if isinstance(inputs, PrefillInputs):
+        return inputs.cu_seqlens_q.tolist()
+    return inputs.qo_indptr.tolist()
+
+
+def localise(inputs: Inputs, bad: torch.Tensor, err: torch.Tensor, bound: float, check: str) -> list[Where]:
+    """Group bad rows [T, H] by request: token range, heads, worst error, pages and bytes."""
+    cuts = request_bounds(inputs)
+    pool = inputs.pool if isinstance(inputs, DecodeInputs) else inputs.k_pool
+    found = []
+    for r in range(len(cuts) - 1):
+        blk = bad[cuts[r] : cuts[r + 1]]
+        if not blk.any():
+            continue
+        tok = torch.nonzero(blk.any(1)).flatten()
+        heads = torch.nonzero(blk.any(0)).flatten().tolist()
+        w = Where(
+            check, r, (cuts[r] + int(tok[0]), cuts[r] + int(tok[-1])), (int(tok[0]), int(tok[-1])),
+            heads, float(err[cuts[r] : cuts[r + 1]][blk].max()), bound,
+        )
+        if pool is not None:
+            w.pages = pool.table.pages_of(r).tolist()
+            lo, hi = pool.byte_range(r)
+            w.bytes, w.region = (lo, hi), byte_region(lo, hi)
+        found.append(w)
+    return found
+
+
+def _ranges(xs: list[int], limit: int = 64) -> str:
+    """[0,1,2,5,7,8] -> '0-2,5,7-8' (first `limit` runs)."""
+    if not xs:
+        return "-"
+    xs = sorted(xs)
+    runs, start, prev = [], xs[0], xs[0]
+    for x in xs[1:]:
+        if x != prev + 1:
+            runs.append((start, prev))
+            start = x
+        prev = x
+    runs.append((start, prev))
+    s = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:limit])
+    return s + (f",... ({len(xs)} total)" if len(runs) > limit else "")

@@ -1,0 +1,72 @@
+"""Every number that gates a verdict, defined once, with where it comes from.
+
+The rule (FlashAttention's tests, made per row): a kernel's error against the exact golden
+must stay within ROW_FACTOR x the same-precision baseline's error plus a floor the size of
+the output format's rounding, on every row (one token x one head), and within an absolute
+budget per compute format. Errors are relative L2 per row: ||o - g|| / (||g|| + tiny).
+Calibration runs and false-alarm / sensitivity measurements: docs/detection.md.
+"""
+
+from __future__ import annotations
+
+# Multiple of the baseline's worst row error a kernel may reach. FlashAttention's tests use
+# 2x a same-precision PyTorch baseline's (tensor-wide max) error; a kernel with another
+# accumulation order has errors of the same distribution, so its worst row stays within
+# ~1.3x of the baseline's worst row in our false-alarm runs (docs/detection.md); 2 leaves margin.
+ROW_FACTOR = 2.0
+TENSOR_FACTOR = 2.0  # the same rule for the tensor-wide relative L2
+LSE_FACTOR = 2.0  # and for the absolute LSE error (natural log)
+
+# Unit roundoff of the OUTPUT format (2^-(mantissa bits + 1)): writing the result costs at
+# most this relative error per element even for a perfect kernel; the floor covers it.
+OUTPUT_ROUNDOFF = {"bf16": 2.0**-9, "fp16": 2.0**-12, "fp32": 2.0**-24}
+# The floor is this many output roundoffs: a row's rounding error can reach ~1 roundoff in
+# relative L2 for short rows, so 2 keeps a perfect kernel with a different rounding mode safe.
+FLOOR_ROUNDOFFS = 2.0
+
+# Absolute budgets on the row error vs the exact golden, per compute (P) format, whatever
+# the baseline does: P rounded to the format costs up to ~1 unit roundoff per element
+# (bf16 2^-9, fp16 2^-12, e4m3 2^-4); 8 roundoffs bounds a row's relative L2 with margin
+# for short rows and cancellation, and catches a broken baseline.
+ROW_BUDGET = {
+    "fp32": 1e-4,
+    "bf16": 8 * 2.0**-9,  # 1.6e-2
+    "fp16": 8 * 2.0**-12,  # 2.0e-3
+    "fp8_e4m3fn": 4 * 2.0**-4,  # 0.25: e4m3 P rounding is coarse; the baseline bound is tighter
+    "fp8_e4m3fnuz": 4 * 2.0**-4,
+}
+
+# What quantisation itself may cost: row error of the kernel vs the golden on UNquantised
+# inputs. bf16/fp16 inputs cost about one roundoff per input element; fp8 with an amax scale
+# a few e4m3 roundoffs. A unit-scale cast that saturates or turns outliers into NaN blows
+# through these budgets (DESIGN §5 bug class 7).
+IDEAL_BUDGET = {
+    "fp32": 1e-4,
+    "bf16": 16 * 2.0**-9,  # 3.1e-2
+    "fp16": 16 * 2.0**-12,  # 3.9e-3
+    "fp8_e4m3fn": 8 * 2.0**-4,  # 0.5
+    "fp8_e4m3fnuz": 8 * 2.0**-4,
+}
+
+# LSE floor (natural log, absolute): an fp32 logsumexp is good to ~1e-6 relative of |lse|
+# (|lse| < ~50 here); the LSE of rounded P adds nothing (it is computed before rounding).
+LSE_FLOOR = 1e-4
+
+# Row norms below this (times sqrt(Dv)) are treated as this, so relative errors of
+# near-zero rows do not explode: attention outputs of unit-variance V are never that small
+# unless something cancels, and then an absolute error of this size is immaterial.
+TINY_ROW_NORM = 1e-6
+
+
+def output_format(q_format: str) -> str:
+    """Kernels write bf16 for bf16/fp8 inputs, fp16 for fp16 and fp32 for fp32."""
+    return q_format if q_format in ("fp16", "fp32") else "bf16"
+
+
+def compute_format(q_format: str, kv_format: str) -> str:
+    """The format P is rounded to before PV: the kv format (what the PV matmul consumes)."""
+    return kv_format
+
+
+def row_floor(q_format: str) -> float:
+    return FLOOR_ROUNDOFFS * OUTPUT_ROUNDOFF[output_format(q_format)]
