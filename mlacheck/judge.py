@@ -238,7 +238,23 @@ def verdict(
     if any(not c.passed for c in checks):
         v.status = FAIL
         v.reason = ", ".join(c.name for c in checks if not c.passed)
+        v.metrics["heatmap"] = heatmap(err.masked_fill(~finite, float("inf")))
     return v
+
+
+HEATMAP_MAX = (256, 128)  # rows x heads kept in a report heat map (max-pooled beyond that)
+
+
+def heatmap(err: torch.Tensor) -> list[list[float]]:
+    """Per-row errors [T, H] for the report, max-pooled down to HEATMAP_MAX."""
+    t, h = err.shape
+    ft, fh = -(-t // HEATMAP_MAX[0]), -(-h // HEATMAP_MAX[1])
+    e = err.float()
+    if ft > 1 or fh > 1:
+        pad_t, pad_h = ft * -(-t // ft) - t, fh * -(-h // fh) - h
+        e = torch.nn.functional.pad(e, (0, pad_h, 0, pad_t), value=0.0)
+        e = e.reshape(e.shape[0] // ft, ft, e.shape[1] // fh, fh).amax(dim=(1, 3))
+    return [[x if x != float("inf") else 1e30 for x in row] for row in e.tolist()]
 
 
 def _check_lse(inputs: Inputs, lse: torch.Tensor, g_lse: torch.Tensor, baseline: Output,

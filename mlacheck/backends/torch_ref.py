@@ -220,5 +220,15 @@ class TorchBackend:
         return torch.cat(outs), torch.cat(lses)
 
 
-def factory(**kwargs: object) -> TorchBackend:
-    return TorchBackend(Numerics(**kwargs))  # type: ignore[arg-type]
+def factory() -> TorchBackend:
+    return TorchBackend()
+
+
+def split_factory() -> TorchBackend:
+    """KV split in 4 chunks merged by LSE (persistent-decode structure), smaller tiles."""
+    return TorchBackend(Numerics(kv_block=32, splits=4), "torch-split")
+
+
+def reverse_factory() -> TorchBackend:
+    """KV tiles visited last to first: another accumulation order."""
+    return TorchBackend(Numerics(kv_block=16, reverse=True), "torch-reverse")

@@ -1,0 +1,78 @@
+"""Finding backends by name: built-ins, `pkg.module:factory` import paths, and the
+`mlacheck.backends` entry-point group (a third-party package registers `name = pkg.mod:factory`).
+
+A factory is a callable returning a Backend; it is called with no arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from importlib.metadata import entry_points
+
+from mlacheck.backends.base import Backend
+
+ENTRY_POINT_GROUP = "mlacheck.backends"
+
+# name -> "module:factory" (imported lazily: optional dependencies stay optional)
+BUILTIN: dict[str, str] = {
+    "torch": "mlacheck.backends.torch_ref:factory",
+    "torch-split": "mlacheck.backends.torch_ref:split_factory",
+    "torch-reverse": "mlacheck.backends.torch_ref:reverse_factory",
+}
+
+# Used by `mlacheck run` when no backend is named: runs everywhere, CPU included.
+DEFAULT_BACKEND = "torch"
+
+
+class BackendError(ValueError):
+    """A backend name that cannot be resolved: one line, shown to the user as is."""
+
+
+def register(name: str, target: str) -> None:
+    """Add a built-in (used by mlacheck's own optional backends)."""
+    BUILTIN[name] = target
+
+
+def available_names() -> list[str]:
+    names = list(BUILTIN)
+    names += [ep.name for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name not in BUILTIN]
+    return names
+
+
+def resolve(spec: str) -> Backend:
+    """A backend from a built-in name, an entry-point name, or `pkg.mod:factory`."""
+    target = BUILTIN.get(spec)
+    if target is None:
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name == spec:
+                target = ep.value
+                break
+    if target is None and ":" in spec:
+        target = spec
+    if target is None:
+        raise BackendError(
+            f"unknown backend {spec!r}; known: {', '.join(available_names())} "
+            "(or give an import path pkg.module:factory)"
+        )
+    factory = _load(target, spec)
+    try:
+        backend = factory()
+    except Exception as e:
+        raise BackendError(f"backend {spec!r}: factory {target} failed: {type(e).__name__}: {e}") from None
+    for attr in ("name", "capabilities", "unavailable", "run"):
+        if not hasattr(backend, attr):
+            raise BackendError(f"backend {spec!r} ({target}) has no {attr!r}: see docs/backends.md")
+    return backend
+
+
+def _load(target: str, spec: str) -> Callable[[], Backend]:
+    mod_name, _, attr = target.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise BackendError(f"backend {spec!r}: cannot import {mod_name}: {e}") from None
+    try:
+        return getattr(mod, attr or "factory")
+    except AttributeError:
+        raise BackendError(f"backend {spec!r}: {mod_name} has no {attr or 'factory'!r}") from None
