@@ -201,11 +201,11 @@ def check_item(item: Item, state: _State, node: pytest.Item) -> None:
     except DeviceError as e:
         verdict = Verdict(item.case.id, item.backend, item.case.op, CRASH, f"device error: {e}")
         state.device_poisoned = item.case.id
-    record = verdict.to_dict()
-    record.update(nodeid=node.nodeid, wall=time.time() - start, device=state.device)
     known = known_failure(item.backend, item.case.id)
     if known and verdict.status in (FAIL, CRASH):
-        record["known_failure"] = known
+        verdict.known_failure = known
+    record = verdict.to_dict()
+    record.update(nodeid=node.nodeid, wall=time.time() - start, device=state.device)
     state.write(record)
     node.stash[_RECORDED] = True
     if state.device_poisoned and os.environ.get("PYTEST_XDIST_WORKER"):

@@ -1,0 +1,25 @@
+"""Reports of a run: results file (JSON lines of verdicts) -> markdown + self-contained HTML.
+
+load_results -> summarise -> write_markdown / write_html; `main` is `mlacheck report`.
+Plots need matplotlib (the `report` extra); without it the reports are written without plots.
+"""
+
+from mlacheck.report.cli import main
+from mlacheck.report.load import known_failure, load_results, read_results
+from mlacheck.report.render_html import render_html, write_html
+from mlacheck.report.render_md import render_markdown, write_markdown
+from mlacheck.report.summary import KNOWN, Summary, summarise
+
+__all__ = [
+    "KNOWN",
+    "Summary",
+    "known_failure",
+    "load_results",
+    "main",
+    "read_results",
+    "render_html",
+    "render_markdown",
+    "summarise",
+    "write_html",
+    "write_markdown",
+]

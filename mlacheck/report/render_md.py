@@ -1,0 +1,157 @@
+"""The compact markdown report: what a CI job posts as a comment or step summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlacheck.judge import Verdict
+from mlacheck.report.load import known_failure
+from mlacheck.report.summary import Summary, summarise
+
+MAX_MD_FAILURES = 50  # failure blocks in full; the rest listed one line each
+
+
+def render_markdown(s: Summary, title: str = "mlacheck report") -> str:
+    """Failures first, then totals, skip reasons, error distributions and timings."""
+    out = [f"# {title}", "", f"**{s.total_line()}**", ""]
+    warns = warnings_of(s)
+    out += [f"> warning: {w}" for w in warns] + ([""] if warns else [])
+    out += _failures(s) + _known(s) + _totals(s) + _skips(s) + _distributions(s) + _timings(s)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def write_markdown(
+    verdicts: list[Verdict],
+    path: str | Path,
+    *,
+    unparsable: int = 0,
+    title: str = "mlacheck report",
+) -> Path:
+    path = Path(path)
+    path.write_text(render_markdown(summarise(verdicts, unparsable), title), encoding="utf-8")
+    return path
+
+
+def warnings_of(s: Summary) -> list[str]:
+    """Things about the run itself a reader must not miss."""
+    w = []
+    if s.unparsable:
+        w.append(
+            f"{s.unparsable} unparsable line(s) in the results file were skipped "
+            "(a truncated last line means the run died before finishing)"
+        )
+    if s.duplicates:
+        w.append(f"{s.duplicates} case x backend verdict(s) appear more than once (all counted)")
+    for v in s.stale_known:
+        w.append(f"known failure now PASSES, remove its mark: {v.backend} {v.case_id}")
+    return w
+
+
+def _failures(s: Summary) -> list[str]:
+    if not s.failures:
+        return ["## Failures", "", "None.", ""]
+    out = [f"## Failures ({len(s.failures)})", ""]
+    for f in s.failures[:MAX_MD_FAILURES]:
+        v = f.verdict
+        out += [
+            f"### {v.status} {v.backend} {v.op} `{v.case_id}`",
+            "",
+            "```text",
+            f.text,
+            "```",
+            "",
+        ]
+    rest = s.failures[MAX_MD_FAILURES:]
+    if rest:
+        out += [f"{len(rest)} more failures (see report.html):", ""]
+        out += [
+            f"- {f.verdict.status} {f.verdict.backend} `{f.verdict.case_id}`: "
+            f"{_cell(f.verdict.reason)}"
+            for f in rest
+        ] + [""]
+    return out
+
+
+def _known(s: Summary) -> list[str]:
+    if not s.known:
+        return []
+    out = [
+        f"## Known failures ({len(s.known)})",
+        "",
+        "Documented real findings: counted as KNOWN, not hidden.",
+        "",
+    ]
+    for f in s.known:
+        v = f.verdict
+        out.append(
+            f"- {v.status} {v.backend} {v.op} `{v.case_id}`: {_cell(v.reason)} "
+            f"— known: {_cell(known_failure(v))}"
+        )
+    return out + [""]
+
+
+def _totals(s: Summary) -> list[str]:
+    cols = s.statuses
+    out = [
+        "## Totals",
+        "",
+        "| backend | op | " + " | ".join(cols) + " | total |",
+        "|---|---|" + "---:|" * (len(cols) + 1),
+    ]
+    for (b, o), c in s.counts.items():
+        out.append(f"| {b} | {o} | " + " | ".join(str(c[x]) for x in cols) + f" | {c.total()} |")
+    out.append("| **all** | | " + " | ".join(str(s.by_status[x]) for x in cols) + f" | {s.total} |")
+    return out + [""]
+
+
+def _skips(s: Summary) -> list[str]:
+    if not s.skips:
+        return []
+    out = [
+        "## Skip reasons (coverage not exercised)",
+        "",
+        "| backend | op | reason | cases | e.g. |",
+        "|---|---|---|---:|---|",
+    ]
+    out += [
+        f"| {g.backend} | {g.op} | {_cell(g.reason)} | {g.count} | `{g.examples[0]}` |"
+        for g in s.skips
+    ]
+    return out + [""]
+
+
+def _distributions(s: Summary) -> list[str]:
+    if not s.distributions:
+        return []
+    out = [
+        "## Worst row error / bound per compute format",
+        "",
+        "| format | cases | median | p90 | p99 | max | > bound |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for d in s.distributions:
+        q = [f"{d.quantile(x):.3g}" for x in (0.5, 0.9, 0.99)]
+        out.append(f"| {d.fmt} | {d.n} | " + " | ".join(q) + f" | {d.ratios[-1]:.3g} | {d.over} |")
+    return out + [""]
+
+
+def _timings(s: Summary) -> list[str]:
+    if not s.timings:
+        return []
+    out = [
+        "## Time per phase",
+        "",
+        "| phase | total s | cases | slowest s | slowest case |",
+        "|---|---:|---:|---:|---|",
+    ]
+    out += [
+        f"| {t.phase} | {t.total:.2f} | {t.cases} | {t.worst:.3f} | `{t.worst_case}` |"
+        for t in s.timings
+    ]
+    total = sum(t.total for t in s.timings)
+    return out + [f"| **all** | {total:.2f} | | | |", ""]
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a markdown table cell: one line, pipes escaped."""
+    return " ".join(text.split()).replace("|", "\\|")

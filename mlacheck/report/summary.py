@@ -1,0 +1,200 @@
+"""What a report says, computed once from the verdicts (pure: no I/O, no plotting).
+
+Counts per backend x op x status, SKIP reasons grouped (coverage holes must be visible),
+failures with their one-screen summaries, per-format distributions of worst row error / bound,
+and timing totals per phase.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from mlacheck import tolerances
+from mlacheck.judge import CRASH, FAIL, PASS, SKIP, Verdict
+from mlacheck.report.load import is_known, known_failure
+
+KNOWN = "KNOWN"
+STATUSES: tuple[str, ...] = (PASS, FAIL, CRASH, SKIP, KNOWN)
+PHASES: tuple[str, ...] = ("inputs", "kernel", "golden", "baseline", "judge")
+
+
+def bucket(v: Verdict) -> str:
+    """The column a verdict is counted in: its status, or KNOWN for a documented finding."""
+    return KNOWN if is_known(v) else v.status
+
+
+def ratio(v: Verdict) -> float | None:
+    """metrics.worst_row / metrics.bound: > 1 means the worst row is beyond the bound."""
+    w, b = v.metrics.get("worst_row"), v.metrics.get("bound")
+    if not isinstance(w, int | float) or not isinstance(b, int | float) or not b > 0:
+        return None
+    r = float(w) / float(b)
+    return None if math.isnan(r) else r
+
+
+def compute_format(v: Verdict) -> str:
+    """The compute (P) format of a case: the KV format, as the tolerance policy defines it."""
+    quant = v.case.get("quant")
+    if not isinstance(quant, dict) or not quant.get("kv"):
+        return "unknown"
+    return tolerances.compute_format(str(quant.get("q", "")), str(quant["kv"]))
+
+
+@dataclass(frozen=True)
+class SkipGroup:
+    backend: str
+    op: str
+    reason: str
+    count: int
+    examples: tuple[str, ...]
+
+    def line(self) -> str:
+        return f"{self.backend} {self.op}: {self.reason}: {self.count} case{_s(self.count)}"
+
+
+@dataclass(frozen=True)
+class Failure:
+    verdict: Verdict
+    text: str  # Verdict.summary(): one screen a kernel engineer can act on
+
+    @property
+    def heatmap(self) -> list[list[float]] | None:
+        h = self.verdict.metrics.get("heatmap")
+        ok = isinstance(h, list) and h and all(isinstance(r, list) and r for r in h)
+        return h if ok else None
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """worst_row / bound over the cases of one compute format."""
+
+    fmt: str
+    ratios: tuple[float, ...]  # sorted
+
+    @property
+    def n(self) -> int:
+        return len(self.ratios)
+
+    @property
+    def over(self) -> int:
+        return sum(r > 1.0 for r in self.ratios)
+
+    def quantile(self, q: float) -> float:
+        """Nearest-rank quantile (exact values seen, no interpolation)."""
+        i = min(self.n - 1, max(0, math.ceil(q * self.n) - 1))
+        return self.ratios[i]
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    phase: str
+    total: float
+    cases: int
+    worst: float
+    worst_case: str
+
+
+@dataclass
+class Summary:
+    total: int = 0
+    by_status: Counter[str] = field(default_factory=Counter)
+    counts: dict[tuple[str, str], Counter[str]] = field(default_factory=dict)
+    skips: list[SkipGroup] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    known: list[Failure] = field(default_factory=list)
+    stale_known: list[Verdict] = field(default_factory=list)  # known failures that now PASS
+    distributions: list[Distribution] = field(default_factory=list)
+    timings: list[PhaseTime] = field(default_factory=list)
+    duplicates: int = 0  # case x backend entries seen more than once
+    unparsable: int = 0  # lines of the results file that were skipped
+
+    @property
+    def statuses(self) -> tuple[str, ...]:
+        """The fixed columns plus any unexpected status seen (never hide a verdict)."""
+        extra = sorted(set(self.by_status) - set(STATUSES))
+        return STATUSES + tuple(extra)
+
+    def total_line(self) -> str:
+        parts = [f"{self.by_status[s]} {s}" for s in self.statuses]
+        line = f"{self.total} case{_s(self.total)}: " + ", ".join(parts)
+        if self.unparsable:
+            line += f" ({self.unparsable} unparsable line{_s(self.unparsable)} skipped)"
+        return line
+
+
+def summarise(verdicts: list[Verdict], unparsable: int = 0) -> Summary:
+    """Everything the markdown and HTML reports show, from the verdicts alone."""
+    return Summary(
+        total=len(verdicts),
+        by_status=Counter(bucket(v) for v in verdicts),
+        counts=count_table(verdicts),
+        skips=skip_groups(verdicts),
+        failures=[Failure(v, v.summary()) for v in failures_first(verdicts)],
+        known=[
+            Failure(v, f"{v.summary()}\n  known failure: {known_failure(v)}")
+            for v in verdicts
+            if is_known(v)
+        ],
+        stale_known=[v for v in verdicts if known_failure(v) and v.status == PASS],
+        distributions=distributions(verdicts),
+        timings=phase_times(verdicts),
+        duplicates=sum(n - 1 for n in Counter((v.case_id, v.backend) for v in verdicts).values()),
+        unparsable=unparsable,
+    )
+
+
+def count_table(verdicts: list[Verdict]) -> dict[tuple[str, str], Counter[str]]:
+    table: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+    for v in verdicts:
+        table[(v.backend, v.op)][bucket(v)] += 1
+    return dict(sorted(table.items()))
+
+
+def skip_groups(verdicts: list[Verdict]) -> list[SkipGroup]:
+    """SKIPs grouped by backend, op and exact reason; the biggest holes first."""
+    groups: dict[tuple[str, str, str], list[str]] = defaultdict(list)
+    for v in verdicts:
+        if v.status == SKIP:
+            groups[(v.backend, v.op, v.reason or "(no reason given)")].append(v.case_id)
+    rows = [SkipGroup(b, o, r, len(ids), tuple(ids[:3])) for (b, o, r), ids in groups.items()]
+    return sorted(rows, key=lambda g: (-g.count, g.backend, g.op, g.reason))
+
+
+def failures_first(verdicts: list[Verdict]) -> list[Verdict]:
+    """Unexplained FAIL/CRASH verdicts: per backend x op, crashes first, then worst ratio."""
+    bad = [v for v in verdicts if v.status in (FAIL, CRASH) and not is_known(v)]
+    return sorted(
+        bad, key=lambda v: (v.backend, v.op, v.status != CRASH, -(ratio(v) or 0.0), v.case_id)
+    )
+
+
+def distributions(verdicts: list[Verdict]) -> list[Distribution]:
+    by_fmt: dict[str, list[float]] = defaultdict(list)
+    for v in verdicts:
+        r = ratio(v)
+        if r is not None:
+            by_fmt[compute_format(v)].append(r)
+    return [Distribution(f, tuple(sorted(rs))) for f, rs in sorted(by_fmt.items())]
+
+
+def phase_times(verdicts: list[Verdict]) -> list[PhaseTime]:
+    """Total and slowest case per phase, in pipeline order (unknown phases after)."""
+    seen = {p for v in verdicts for p in v.timings}
+    phases = [p for p in PHASES if p in seen] + sorted(seen - set(PHASES))
+    out = []
+    for p in phases:
+        ts = [
+            (float(t), v.case_id)
+            for v in verdicts
+            if isinstance(t := v.timings.get(p), int | float) and math.isfinite(t)
+        ]
+        if ts:
+            worst, case = max(ts)
+            out.append(PhaseTime(p, sum(t for t, _ in ts), len(ts), worst, case))
+    return out
+
+
+def _s(n: int) -> str:
+    return "" if n == 1 else "s"

@@ -1,0 +1,308 @@
+"""The report module: tolerant loading, counts, grouped skips, failures first, both reports,
+self-contained HTML and the `mlacheck report` exit codes."""
+
+from __future__ import annotations
+
+import base64
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+from _report_synth import (
+    CRASH_ID,
+    FAIL_ID,
+    HEADS_REASON,
+    KNOWN_REASON,
+    PAGE_REASON,
+    failing,
+    passing,
+    run_verdicts,
+    write_jsonl,
+)
+
+from mlacheck.backends.base import Capability, Output
+from mlacheck.inputs import DecodeInputs
+from mlacheck.judge import FAIL, PASS, SKIP, Verdict
+from mlacheck.report import load_results, main, summarise, write_html, write_markdown
+from mlacheck.report import plots as plots_mod
+from mlacheck.report.load import parse_line, read_results
+from mlacheck.report.summary import KNOWN
+from mlacheck.spec import Case
+
+HAS_MPL = plots_mod.available()
+
+
+@pytest.fixture
+def results(tmp_path: Path) -> Path:
+    return write_jsonl(tmp_path / "results.jsonl", run_verdicts())
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def test_load_skips_truncated_line_with_one_warning(results: Path) -> None:
+    with pytest.warns(UserWarning, match=r"skipped 1 unparsable line\(s\) \(line 39\)"):
+        vs = load_results(results)
+    assert len(vs) == 38
+    assert {v.case_id for v in vs} >= {FAIL_ID, CRASH_ID}
+
+
+def test_load_round_trips_where_and_known(results: Path) -> None:
+    vs = read_results(results).verdicts
+    fail = next(v for v in vs if v.case_id == FAIL_ID)
+    assert fail.where[0].bytes == (0x80000000, 0x80012000) and fail.where[0].tokens == (4, 7)
+    assert fail.where[1].worst == float("inf")
+    assert [getattr(v, "known_failure", "") for v in vs if v.status == FAIL] == ["", KNOWN_REASON]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "",
+        "{",
+        "[1, 2]",
+        "null",
+        '{"case_id": "x"}',
+        '{"case_id": "x", "backend": "b", "op": "o", "status": "PASS", "where": [{"check": 1}]}',
+        '{"case_id": "x", "backend": "b", "op": "o", "status": "PASS", "metrics": [1]}',
+    ],
+)
+def test_parse_line_rejects_malformed(line: str) -> None:
+    assert parse_line(line) is None
+
+
+def test_parse_line_ignores_unknown_keys() -> None:
+    v = parse_line('{"case_id": "x", "backend": "b", "op": "o", "status": "PASS", "new": 1}')
+    assert v is not None and v.status == PASS
+
+
+def test_load_clean_file_warns_nothing(tmp_path: Path) -> None:
+    p = write_jsonl(tmp_path / "r.jsonl", [passing(0)], truncated=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(load_results(p)) == 1
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def test_summary_counts_per_backend_op_status() -> None:
+    s = summarise(run_verdicts(), unparsable=1)
+    assert s.total == 38
+    assert dict(s.by_status) == {PASS: 20, FAIL: 1, "CRASH": 1, SKIP: 15, KNOWN: 1}
+    assert dict(s.counts[("aiter", "mla_decode")]) == {PASS: 15, FAIL: 1, SKIP: 12}
+    assert dict(s.counts[("aiter", "mla_prefill")]) == {"CRASH": 1, KNOWN: 1, SKIP: 3}
+    assert dict(s.counts[("torch", "mla_prefill")]) == {PASS: 5}
+    assert s.total_line() == (
+        "38 cases: 20 PASS, 1 FAIL, 1 CRASH, 15 SKIP, 1 KNOWN (1 unparsable line skipped)"
+    )
+
+
+def test_summary_groups_skip_reasons_biggest_first() -> None:
+    s = summarise(run_verdicts())
+    assert [g.line() for g in s.skips] == [
+        f"aiter mla_decode: {PAGE_REASON}: 12 cases",
+        f"aiter mla_prefill: {HEADS_REASON}: 3 cases",
+    ]
+
+
+def test_summary_failures_exclude_known_and_put_crashes_first() -> None:
+    s = summarise(run_verdicts())
+    assert [f.verdict.case_id for f in s.failures] == [FAIL_ID, CRASH_ID]  # backend/op order
+    assert "pool bytes 0x80000000-0x80012000 (above 2^31)" in s.failures[0].text
+    assert [f.verdict.status for f in s.known] == [FAIL]
+    assert KNOWN_REASON in s.known[0].text
+
+
+def test_summary_distributions_per_compute_format() -> None:
+    s = summarise(run_verdicts())
+    d = {x.fmt: x for x in s.distributions}
+    assert set(d) == {"bf16", "fp8_e4m3fn"}
+    assert d["bf16"].n == 15 and d["bf16"].over == 0
+    assert d["fp8_e4m3fn"].n == 7  # 5 PASS + FAIL + KNOWN; the CRASH has no metrics
+    assert d["fp8_e4m3fn"].over == 2
+    assert d["fp8_e4m3fn"].quantile(1.0) == pytest.approx(0.9 / 0.0625)
+    assert d["bf16"].quantile(0.5) == pytest.approx(0.2)
+
+
+def test_summary_timings_per_phase() -> None:
+    s = summarise(run_verdicts())
+    t = {p.phase: p for p in s.timings}
+    assert list(t) == ["inputs", "kernel", "golden", "baseline", "judge"]
+    assert t["kernel"].total == pytest.approx(20 * 0.002 + 0.5)
+    assert t["kernel"].worst_case == FAIL_ID
+    assert t["inputs"].cases == 22
+
+
+def test_stale_known_failure_is_flagged(tmp_path: Path) -> None:
+    from mlacheck.judge import Verdict as RecordedVerdict
+
+    v = RecordedVerdict(**{**passing(0).__dict__, "known_failure": "fixed upstream?"})
+    s = summarise([v])
+    assert s.by_status[PASS] == 1 and s.stale_known == [v]
+    md = write_markdown([v], tmp_path / "r.md").read_text()
+    assert "known failure now PASSES" in md
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def test_markdown_report(results: Path, tmp_path: Path) -> None:
+    loaded = read_results(results)
+    md = write_markdown(loaded.verdicts, tmp_path / "report.md", unparsable=loaded.skipped)
+    text = md.read_text()
+    assert "| aiter | mla_decode | 15 | 1 | 0 | 12 | 0 | 28 |" in text
+    assert "| aiter | mla_prefill | 0 | 0 | 1 | 3 | 1 | 5 |" in text
+    assert "| **all** | | 20 | 1 | 1 | 15 | 1 | 38 |" in text
+    assert f"| aiter | mla_decode | {PAGE_REASON} | 12 |" in text
+    assert "row_error: request 1 tokens 0-3 (rows 4-7), heads 2-3: worst 0.9 > bound 0.0625" in text
+    assert KNOWN_REASON in text
+    assert "1 unparsable line(s)" in text
+    # failures come before the totals
+    assert text.index("## Failures (2)") < text.index("## Totals")
+
+
+def test_html_report_self_contained(results: Path, tmp_path: Path) -> None:
+    loaded = read_results(results)
+    html = write_html(loaded.verdicts, tmp_path / "report.html", unparsable=loaded.skipped)
+    text = html.read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", text, re.I)
+    assert "<link" not in text and "<script" not in text and "@import" not in text
+    for needle in (
+        FAIL_ID,
+        CRASH_ID,
+        KNOWN_REASON,
+        PAGE_REASON,
+        HEADS_REASON,
+        "heads 2-3: worst 0.9 &gt; bound 0.0625",
+        "pool bytes 0x80000000-0x80012000 (above 2^31)",
+        "HIP error: invalid device function",
+    ):
+        assert needle in text, needle
+    # failures are the first section; PASS rows are folded away
+    assert text.index('id="failures"') < text.index('id="totals"') < text.index('id="cases"')
+    assert "<details><summary>20 passing cases" in text
+    badges = dict(re.findall(r'<span class="badge (\w+)(?: zero)?">(\d+) \1</span>', text))
+    assert badges == {"PASS": "20", "FAIL": "1", "CRASH": "1", "SKIP": "15", "KNOWN": "1"}
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib not installed: the report has no plots")
+def test_html_embeds_png_plots(tmp_path: Path) -> None:
+    text = write_html(run_verdicts(), tmp_path / "report.html").read_text()
+    pngs = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', text)
+    assert len(pngs) == 3  # status bars, error distributions, one failure heat map
+    assert all(base64.b64decode(p)[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    assert 'alt="error heat map of ' + FAIL_ID in text
+
+
+def test_html_without_matplotlib_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plots_mod, "available", lambda: False)
+    text = write_html(run_verdicts(), tmp_path / "report.html").read_text()
+    assert "data:image/png" not in text
+    assert "matplotlib is not installed" in text
+    assert "heads 2-3: worst 0.9 &gt; bound 0.0625" in text
+
+
+def test_bad_heatmap_degrades_to_text(tmp_path: Path) -> None:
+    v = failing()
+    v.metrics["heatmap"] = [[1.0, 2.0], [3.0]]  # ragged: not a heat map
+    text = write_html([v], tmp_path / "r.html").read_text()
+    assert "error heat map" not in text and FAIL_ID in text
+
+
+# --------------------------------------------------------------------------- cli
+
+
+def test_main_writes_both_reports_next_to_results(results: Path, capsys) -> None:
+    assert main([str(results)]) == 0
+    out, err = capsys.readouterr()
+    assert (results.parent / "report.md").is_file() and (results.parent / "report.html").is_file()
+    assert str(results.parent / "report.html") in out
+    assert out.strip().splitlines()[-1].startswith("38 cases: 20 PASS, 1 FAIL, 1 CRASH")
+    assert "skipped 1 unparsable line" in err
+
+
+def test_main_outdir(results: Path, tmp_path: Path) -> None:
+    assert main([str(results), "-o", str(tmp_path / "out" / "deep")]) == 0
+    assert (tmp_path / "out" / "deep" / "report.html").is_file()
+
+
+@pytest.mark.parametrize("content", [None, b"", b"\n\n", b"{not json\n"])
+def test_main_bad_input_exits_2(tmp_path: Path, capsys, content: bytes | None) -> None:
+    p = tmp_path / "results.jsonl"
+    if content is not None:
+        p.write_bytes(content)
+    assert main([str(p)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("mlacheck report: error:")
+    assert not (tmp_path / "report.html").exists()
+
+
+# --------------------------------------------------------------------------- real verdicts
+
+
+class _OneHeadWrong:
+    """The same-precision torch backend with head 3 of request 1 corrupted: a real FAIL."""
+
+    name = "broken"
+
+    def __init__(self) -> None:
+        from mlacheck.backends.torch_ref import TorchBackend
+
+        self._inner = TorchBackend()
+
+    def unavailable(self) -> str | None:
+        return None
+
+    def capabilities(self) -> dict[str, Capability]:
+        return self._inner.capabilities()
+
+    def run(self, case: Case, inputs: DecodeInputs) -> Output:
+        out = self._inner.run(case, inputs)
+        lo, hi = inputs.qo_indptr.tolist()[1:3]
+        out.out[lo:hi, 3] += 0.5
+        return out
+
+
+def test_report_of_real_judge_verdicts(tmp_path: Path) -> None:
+    """Harness -> Verdict.to_json -> results file -> report: the judge's own where-messages."""
+    from mlacheck.backends.torch_ref import TorchBackend
+    from mlacheck.harness import run_case
+    from mlacheck.spec import DecodeCase, Request
+
+    case = DecodeCase(requests=(Request(1, 40), Request(2, 70)), num_heads=16)
+    good, bad = run_case(case, TorchBackend()), run_case(case, _OneHeadWrong())
+    assert (good.status, bad.status) == (PASS, FAIL)
+    p = tmp_path / "results.jsonl"
+    p.write_text(good.to_json() + "\n" + bad.to_json() + "\n")
+    assert main([str(p)]) == 0
+    md = (tmp_path / "report.md").read_text()
+    html = (tmp_path / "report.html").read_text()
+    msg = bad.where[0].message("request")
+    assert "request 1 tokens 0-1" in msg and "heads 3" in msg
+    assert msg in md
+    assert msg.replace(">", "&gt;") in html
+    assert "| torch | mla_decode | 1 | 0 | 0 | 0 | 0 | 1 |" in md
+    assert "| broken | mla_decode | 0 | 1 | 0 | 0 | 0 | 1 |" in md
+    if HAS_MPL and "heatmap" in bad.metrics:
+        assert 'alt="error heat map of ' + case.id in html
+
+
+def test_odd_verdicts_are_counted_not_fatal(tmp_path: Path) -> None:
+    """Infinite worst row, exact zero, an all-zero heat map, an unknown status: all shown."""
+    inf_fail = failing()
+    inf_fail.metrics.update(worst_row=float("inf"), heatmap=[[0.0] * 4] * 3)
+    zero = passing(99)
+    zero.metrics["worst_row"] = 0.0
+    odd = Verdict("odd-case", "aiter", "mla_decode", "XFAIL", reason="new status")
+    vs = [inf_fail, zero, odd]
+    s = summarise(vs)
+    assert s.total_line() == "3 cases: 1 PASS, 1 FAIL, 0 CRASH, 0 SKIP, 0 KNOWN, 1 XFAIL"
+    md = write_markdown(vs, tmp_path / "r.md").read_text()
+    assert "| aiter | mla_decode | 1 | 1 | 0 | 0 | 0 | 1 | 3 |" in md
+    html = write_html(vs, tmp_path / "r.html").read_text()
+    assert "odd-case" in html and "new status" in html
+    if HAS_MPL:
+        assert html.count("data:image/png;base64,") == 3
