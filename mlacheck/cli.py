@@ -52,7 +52,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         results.unlink()
     workers = args.workers if args.workers is not None else _default_workers(args.device)
     argv = [
-        _suite_path(), "-p", "mlacheck.pytest_plugin", "-q", "-rfE", "--no-header",
+        _suite_path(), "-q", "-rfE", "--no-header",
         "-o", "console_output_style=progress", "-p", "no:cacheprovider",
         f"--mla-matrix={args.matrix}", f"--mla-device={args.device}", f"--mla-golden={args.golden}",
         f"--mla-results={results}", f"--timeout={args.timeout}",

@@ -1,0 +1,134 @@
+"""`mlacheck` end to end, as a user runs it: subprocesses, real pytest + xdist underneath."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+
+# Two decode requests and a two-segment prefill: request/segment 1 exists in each.
+TINY = """
+name: tiny
+description: three small cases for runner tests
+groups:
+  - name: decode
+    kind: decode
+    base: {requests: [[1, 70], [2, 130]], page_size: 16}
+    axes:
+      num_heads: [12, 16]
+  - name: prefill
+    kind: prefill
+    base: {segments: [[20, 10], [24, 0]], num_heads: 16}
+    axes:
+      causal: [true]
+"""
+
+
+def mlacheck(*args: str, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "PYTHONPATH": str(FIXTURES), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "mlacheck.cli", *args], capture_output=True, text=True,
+        env=full_env, timeout=timeout,
+    )
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    p = tmp_path / "tiny.yaml"
+    p.write_text(TINY)
+    return p
+
+
+def test_run_smoke_on_default_backend_passes_and_writes_report(tmp_path: Path) -> None:
+    res = tmp_path / "out" / "results.jsonl"
+    r = mlacheck("run", "--results", str(res))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    recs = records(res)
+    from mlacheck.matrices import load
+
+    assert len(recs) == len(load("smoke").cases)
+    assert {x["status"] for x in recs} == {"PASS"}
+    assert (res.parent / "report.html").stat().st_size > 1000
+    assert "FAIL" in (res.parent / "report.md").read_text()  # the totals table has the column
+
+
+def test_wrong_backend_by_import_path_fails_naming_the_request(tiny: Path, tmp_path: Path) -> None:
+    res = tmp_path / "results.jsonl"
+    r = mlacheck("run", "--backend", "bad_backends:perturb_request", "--matrix", str(tiny),
+                 "--results", str(res), "--no-report")
+    assert r.returncode == 1
+    recs = records(res)
+    assert len(recs) == 3 and {x["status"] for x in recs} == {"FAIL"}
+    for x in recs:
+        assert {w["request"] for w in x["where"]} == {1}, x["where"]
+    assert "request 1 tokens 0-1" in r.stdout
+    assert "segment 1 tokens 0-23" in r.stdout
+
+
+def test_abort_is_one_crash_and_every_other_case_reported(tiny: Path, tmp_path: Path) -> None:
+    res = tmp_path / "results.jsonl"
+    r = mlacheck("run", "--backend", "bad_backends:abort_on_heads", "--matrix", str(tiny),
+                 "--results", str(res), "--no-report", env={"ABORT_HEADS": "12"})
+    assert r.returncode == 1
+    recs = records(res)
+    by_heads = {x["case"]["num_heads"] * 100 + len(x["case"].get("segments") or []): x for x in recs}
+    assert len(recs) == 3, recs
+    crashed = [x for x in recs if x["status"] == "CRASH"]
+    assert len(crashed) == 1 and crashed[0]["case"]["num_heads"] == 12
+    assert "crashed" in crashed[0]["reason"]
+    assert sorted(x["status"] for x in recs) == ["CRASH", "PASS", "PASS"], by_heads
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["run", "--backend", "no-such-backend"], "unknown backend 'no-such-backend'"),
+        (["run", "--backend", "nosuchmodule.x:factory"], "cannot import nosuchmodule.x"),
+        (["run", "--matrix", "no-such-matrix"], "no-such-matrix"),
+        (["replay", '{"kind": "decode", "requests": [[3, 2]]}'], "bad request"),
+        (["replay", "not-a-case-id"], "not a JSON file"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str) -> None:
+    r = mlacheck(*args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_malformed_matrix_file_is_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\ndescription: d\ngroups:\n  - name: g\n    kind: decode\n    base: {pagesize: 16}\n")
+    r = mlacheck("run", "--matrix", str(bad))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "pagesize" in r.stderr
+
+
+def test_replay_by_id_and_by_json_file(tmp_path: Path) -> None:
+    from mlacheck.matrices import load
+
+    case = load("smoke").cases[0].case
+    r = mlacheck("replay", case.id, "--backend", "torch")
+    assert r.returncode == 0 and f"PASS torch {case.id}" in r.stdout, r.stdout + r.stderr
+    f = tmp_path / "case.json"
+    f.write_text(case.to_json())
+    r = mlacheck("replay", str(f), "--backend", "bad_backends:perturb_request")
+    assert case.id in r.stdout
+
+
+def test_list_shows_backends_and_matrix_counts() -> None:
+    r = mlacheck("list")
+    assert r.returncode == 0, r.stderr
+    assert "torch" in r.stdout and "mla_decode" in r.stdout
+    assert "smoke" in r.stdout and "cases" in r.stdout

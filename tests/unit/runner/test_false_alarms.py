@@ -1,0 +1,39 @@
+"""No false alarms: correct implementations that differ from the baseline in accumulation
+order and structure (KV split into chunks merged by LSE; tiles visited in reverse) must PASS.
+
+CI runs a CPU-sized subset of the premerge matrix under several seeds; the full premerge x 20
+seeds run is `python benchmarks/false_alarms.py` (numbers in docs/detection.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mlacheck.backends.registry import resolve
+from mlacheck.harness import run_case
+from mlacheck.judge import PASS, SKIP
+from mlacheck.matrices import load
+from mlacheck.spec import PrefillCase
+
+CI_SEEDS = (1, 2)  # seeds offsets for CI; the full check uses 20
+CI_CASES = 30  # the cheapest premerge cases (CPU seconds matter in CI)
+
+
+def cost(case) -> int:  # noqa: ANN001
+    """Attention work of a case (q x kv x heads), to pick CPU-cheap ones."""
+    if isinstance(case, PrefillCase):
+        pairs = [(s.q_len, s.kv_len) for s in case.segments]
+    else:
+        pairs = [(r.q_len, r.kv_len) for r in case.requests]
+    return case.num_heads * sum(q * kv for q, kv in pairs) + (1 << 40) * (case.placement.kind == "high")
+
+
+@pytest.mark.parametrize("seed", CI_SEEDS)
+@pytest.mark.parametrize("variant", ["torch-split", "torch-reverse"])
+def test_correct_variants_never_fail(variant: str, seed: int) -> None:
+    backend = resolve(variant)
+    cases = sorted((mc.case for mc in load("premerge", seed).cases), key=cost)[:CI_CASES]
+    verdicts = [run_case(c, backend) for c in cases]
+    bad = [v.summary() for v in verdicts if v.status not in (PASS, SKIP)]
+    assert not bad, "\n".join(bad)
+    assert sum(v.status == PASS for v in verdicts) >= CI_CASES * 0.9
