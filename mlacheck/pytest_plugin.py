@@ -54,6 +54,7 @@ def pytest_configure(config: pytest.Config) -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
         _map_worker_to_device(int(re.sub(r"\D", "", worker) or 0))
+        _share_cpu_threads(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     config.stash[_STATE] = _State(config)
 
 
@@ -71,6 +72,13 @@ def _map_worker_to_device(index: int) -> None:
                 continue
             ids = [str(i) for i in range(count)]
         os.environ[var] = ids[index % len(ids)]
+
+
+def _share_cpu_threads(workers: int) -> None:
+    """xdist workers share the cores: each gets its share of torch's CPU threads."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
 
 
 def _gpu_count() -> int:

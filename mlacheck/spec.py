@@ -215,6 +215,9 @@ class _CaseBase:
 
 
 def _check_common(num_heads: int, seed: int) -> None:
+    for name, v in (("num_heads", num_heads), ("seed", seed)):
+        if not isinstance(v, int) or isinstance(v, bool):  # 16.0 would give another case id
+            raise ValueError(f"{name} must be an integer, got {v!r}")
     if num_heads < 1:
         raise ValueError(f"num_heads must be >= 1, got {num_heads}")
     if seed < 0:

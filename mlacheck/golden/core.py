@@ -72,6 +72,7 @@ def attend(
     if hk == 1:
         kt, vt = kt.contiguous(), vt.contiguous()
     offset = sk - sq
+    v_finite = bool(torch.isfinite(v).all())  # else take the slower NaN-localising p @ v
     # heads per block, then queries per block, so that hb * qb * Sk <= budget
     hb = max(1, min(h, budget // max(1, sk)))
     qb = max(1, min(sq, budget // max(1, hb * sk)))
@@ -95,7 +96,8 @@ def attend(
                 m = torch.logsumexp(s, dim=-1, keepdim=True)  # [hb, qb, 1]
                 # rows that see nothing (m = -inf) get p = 0; a NaN input stays NaN (must show)
                 p = torch.exp(s - m.masked_fill(torch.isneginf(m), 0.0))
-                o = _apply_v(p, vh[:, :end], visible)  # [hb, qb, Dv]
+                vb = vh[:, :end]
+                o = torch.matmul(p, vb) if v_finite else _apply_v(p, vb, visible)  # [hb, qb, Dv]
                 out[q0:q1, h0:h1] = o.permute(1, 0, 2)
                 lse[q0:q1, h0:h1] = m.squeeze(-1).permute(1, 0)
     return Result(out, lse)
