@@ -251,6 +251,8 @@ class PrefillCase(_CaseBase):
         if self.soft_cap < 0:
             raise ValueError("soft_cap must be >= 0 (0 = off)")
         if self.paging is not None:
+            if self.quant.per_token:
+                raise ValueError("paged prefill takes per-tensor K/V scales (per_token is not modelled)")
             _check_page_size(self.paging.page_size)
             vec = vector_width(self.quant.kv)
             if self.paging.layout == "vectorized" and self.paging.page_size % vec:
@@ -312,6 +314,7 @@ class DecodeCase(_CaseBase):
         _check_common(self.num_heads, self.seed)
         _check_page_size(self.page_size)
         _check_requests(self.requests)
+        _check_pool_quant(self.quant)
 
     @property
     def total_q(self) -> int:
@@ -364,6 +367,7 @@ class SparseDecodeCase(_CaseBase):
         _check_common(self.num_heads, self.seed)
         _check_page_size(self.page_size)
         _check_requests(self.requests)
+        _check_pool_quant(self.quant)
         if self.topk < 1:
             raise ValueError("topk must be >= 1")
         if self.valid_cap is not None and not 0 <= self.valid_cap <= self.topk:
@@ -404,6 +408,11 @@ MAX_PAGE_SIZE = 1024  # largest page size any supported library uses (CK batch p
 def _check_page_size(page_size: int) -> None:
     if not 1 <= page_size <= MAX_PAGE_SIZE:
         raise ValueError(f"page_size must be in 1..{MAX_PAGE_SIZE}, got {page_size}")
+
+
+def _check_pool_quant(quant: Quant) -> None:
+    if quant.per_token and quant.kv.startswith("fp8"):
+        raise ValueError("per-token KV scales are not modelled for paged pools; use per-tensor")
 
 
 def _check_requests(requests: tuple[Request, ...]) -> None:

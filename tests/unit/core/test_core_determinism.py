@@ -124,7 +124,7 @@ NESTED = [
         segments=(Segment(1),), paging=Paging(1024, "linear"),
         dims=MLADims(qk_nope=64, qk_rope=32, v_head=64, kv_lora_rank=256, rope_factor=4.0,
                      mscale_all_dim=0.707),
-        quant=Quant("fp16", "fp8_e4m3fn", "amax", per_token=True), seed=12,
+        quant=Quant("fp16", "fp8_e4m3fn", "amax"), seed=12,
     ),
     DecodeCase(placement=Placement("high", offset_bytes=1 << 32, spare_pages=0), profile="stress"),
     SparseDecodeCase(),
@@ -200,6 +200,8 @@ _quant = st.builds(
     placement=_placement, quant=_quant, seed=st.integers(0, 2**40), sparse=st.booleans(),
 )
 def test_json_round_trip_property(requests, page_size, heads, placement, quant, seed, sparse) -> None:
+    if quant.per_token and quant.kv.startswith("fp8"):  # rejected by the spec (not modelled)
+        quant = dataclasses.replace(quant, per_token=False)
     if sparse:
         case: spec.Case = SparseDecodeCase(
             requests=requests, topk=64, valid_cap=7, num_heads=heads, page_size=page_size,

@@ -1,0 +1,517 @@
+"""Named matrices (smoke, premerge, nightly, full) as YAML data, expanded into cases.
+
+A matrix file is data, not code, so a kernel engineer can add a row without reading Python,
+and every case it yields is a validated, seeded `mlacheck.spec` case with its pytest markers.
+
+Schema (every key is checked: an unknown key, a bad value or a YAML error is a MatrixError
+naming the file and the problem in one line):
+
+    name: premerge                      # must match the file name (without .yaml)
+    description: one line               # what the matrix is for
+    include: [smoke]                    # optional: matrices whose cases come first (a file
+                                        # next to this one, else a packaged matrix)
+    shared: {...}                       # optional, ignored: a place to define YAML anchors
+    groups:
+      - name: decode-page-sizes         # unique in the file; shown in errors and reports
+        kind: prefill | decode | sparse # PrefillCase | DecodeCase | SparseDecodeCase
+        covers: [6, 11]                 # optional: DESIGN §5 bug classes the group targets
+        base: {field: value, ...}       # fields shared by every case of the group
+        axes: {field: [v1, v2], ...}    # cartesian product over the listed values
+        seeds: [0, 1]                   # optional: sugar for an axis over `seed`
+        markers: [slow, gpu]            # optional: extra pytest markers for every case
+        exclude:                        # optional: drop combinations matching ALL keys of a rule
+          - {paging.layout: vectorized, paging.page_size: 1}
+
+Fields are those of the case dataclass of `kind` (spec.py). Nested fields are mappings:
+`quant: {q: fp8_e4m3fn, kv: fp8_e4m3fn, scale: unit}`, `placement: {kind: high, offset_bytes:
+4294967296}`, `paging: {page_size: 16, layout: vectorized}`, `dims: {rope_factor: 1.0}`.
+An axis key may be a field (`num_heads`) or a dotted path into a nested field
+(`paging.page_size`); a mapping given as an axis value is merged over the base's mapping.
+Exclude rules use the same keys; a key the combination leaves unset compares as the
+dataclass default, and a rule that matches nothing is an error (it is surely a typo).
+
+`segments` (prefill) is a list of `[q_len, context_len]` pairs and `requests` (decode,
+sparse) a list of `[q_len, kv_len]` pairs. A long batch can be written as a generator:
+
+    requests: {repeat: 64, q_len: 1, kv_len: [100, 4000]}
+    segments: {repeat: 8, q_len: [1024, 3072], context_len: 0}
+
+meaning `repeat` entries whose lengths are an int (all equal) or `[lo, hi]`: evenly spaced
+from lo to hi, then interleaved short/long (lo, hi, lo+d, hi-d, ...) so neighbouring
+requests differ (the mixed batches persistent schedulers must balance).
+
+Every case gets markers derived from its content (`derived_markers`) plus the group's.
+Cases with the same id (e.g. one produced by two groups) are kept once (the first; markers
+merged) and counted in `Matrix.duplicates_removed`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mlacheck.spec import (
+    CASE_TYPES,
+    Case,
+    MLADims,
+    Paging,
+    Placement,
+    PrefillCase,
+    Quant,
+    SparseDecodeCase,
+    case_from_dict,
+)
+
+# Packaged matrices, smallest first: the order `names()` lists them in.
+CANONICAL_ORDER = ("smoke", "premerge", "nightly", "full")
+
+# Markers a matrix may set explicitly (pyproject registers them; a typo fails the load
+# instead of silently creating an unregistered marker).
+KNOWN_MARKERS = ("fp8", "sparse", "multiseg", "large_kv", "persistent", "gpu", "slow")
+
+# DESIGN §5 lists this many bug classes; `covers:` entries must name one of them.
+BUG_CLASSES = range(1, 13)
+
+GROUP_KEYS = ("name", "kind", "covers", "base", "axes", "seeds", "markers", "exclude")
+TOP_KEYS = ("name", "description", "include", "shared", "groups")
+
+_NESTED_TYPES: dict[str, type] = {
+    "quant": Quant, "placement": Placement, "paging": Paging, "dims": MLADims,
+}
+_SEQUENCE_FIELDS = {"segments": ("q_len", "context_len"), "requests": ("q_len", "kv_len")}
+_GENERATOR_KEYS = {"segments": ("repeat", "q_len", "context_len"),
+                   "requests": ("repeat", "q_len", "kv_len")}
+
+
+class MatrixError(ValueError):
+    """A malformed matrix file: one line naming the file and the problem."""
+
+
+@dataclass(frozen=True)
+class MatrixCase:
+    """One case of a matrix and the pytest markers it carries."""
+
+    case: Case
+    markers: tuple[str, ...]
+    group: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.case.id
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """A loaded matrix: its cases in file order (includes first), duplicates removed."""
+
+    name: str
+    description: str
+    cases: list[MatrixCase]
+    path: str = ""
+    duplicates_removed: int = 0
+
+    def __len__(self) -> int:
+        return len(self.cases)
+
+
+def derived_markers(case: Case) -> tuple[str, ...]:
+    """Markers that follow from a case's content, so `-m` selections never depend on a
+    matrix author remembering them."""
+    found: set[str] = set()
+    if case.quant.is_fp8:
+        found.add("fp8")
+    if isinstance(case, SparseDecodeCase):
+        found.add("sparse")
+    if isinstance(case, PrefillCase):
+        if len(case.segments) > 1:
+            found.add("multiseg")
+    else:  # decode and sparse exercise persistent decode on backends that have it
+        found.add("persistent")
+    # Paged prefill and every decode use the pool; an unpaged prefill ignores placement.
+    uses_pool = not (isinstance(case, PrefillCase) and case.paging is None)
+    if case.placement.kind == "high" and uses_pool:
+        found.add("large_kv")
+    return tuple(sorted(found))
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def names() -> list[str]:
+    """Names of the packaged matrices, smallest first."""
+    found = {p.name.rsplit(".", 1)[0] for p in _package_dir().iterdir()
+             if p.name.endswith((".yaml", ".yml"))}
+    known = [n for n in CANONICAL_ORDER if n in found]
+    return known + sorted(found - set(known))
+
+
+def load(name_or_path: str, seed: int | None = None) -> Matrix:
+    """A packaged matrix by name, or a file when the argument ends in .yaml/.yml.
+
+    With `seed`, every case's seed becomes its own seed + `seed` (the same matrix under
+    many seeds, e.g. for false-alarm runs).
+    """
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise MatrixError(f"seed must be an int >= 0, got {seed!r}")
+    path = _resolve(name_or_path)
+    cases, description, name = _load_file(path, ())
+    kept: dict[str, MatrixCase] = {}
+    for mc in cases:
+        case = mc.case if not seed else dataclasses.replace(mc.case, seed=mc.case.seed + seed)
+        mc = MatrixCase(case, mc.markers, mc.group)
+        first = kept.get(mc.id)
+        if first is None:
+            kept[mc.id] = mc
+        else:
+            merged = tuple(sorted(set(first.markers) | set(mc.markers)))
+            kept[mc.id] = MatrixCase(first.case, merged, first.group)
+    return Matrix(name, description, list(kept.values()), str(path), len(cases) - len(kept))
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _package_dir() -> Path:
+    return Path(str(resources.files("mlacheck.matrices")))
+
+
+def _resolve(name_or_path: str) -> Path:
+    if name_or_path.endswith((".yaml", ".yml")):
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise MatrixError(f"{name_or_path}: no such matrix file")
+        return path
+    for ext in (".yaml", ".yml"):
+        path = _package_dir() / f"{name_or_path}{ext}"
+        if path.is_file():
+            return path
+    raise MatrixError(
+        f"unknown matrix {name_or_path!r}; known: {', '.join(names())} (or give a .yaml path)"
+    )
+
+
+def _resolve_include(name: str, including: Path) -> Path:
+    """An included matrix: a file next to the including one first, else a packaged one."""
+    for ext in (".yaml", ".yml"):
+        sibling = including.parent / f"{name}{ext}"
+        if sibling.is_file():
+            return sibling
+    return _resolve(name)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate mapping keys (PyYAML silently keeps the last one,
+    which would drop an axis without a word)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)  # resolve `<<: *anchor` merges first
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            line = key_node.start_mark.line + 1
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (line {line})", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=True)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise MatrixError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise MatrixError(f"{path}: YAML syntax error at {where}{problem}".replace("\n", " ")) \
+            from None
+
+
+def _load_file(path: Path, stack: tuple[str, ...]) -> tuple[list[MatrixCase], str, str]:
+    doc = _read_yaml(path)
+    where = str(path)
+    if not isinstance(doc, dict):
+        raise MatrixError(f"{where}: a matrix file is a mapping with name, description, groups")
+    _unknown(doc, TOP_KEYS, where, "top-level key")
+    for key in ("name", "description", "groups"):
+        if key not in doc:
+            raise MatrixError(f"{where}: missing top-level key {key!r}")
+    name, description = doc["name"], doc["description"]
+    if not isinstance(name, str) or not isinstance(description, str):
+        raise MatrixError(f"{where}: name and description must be strings")
+    stem = path.name.rsplit(".", 1)[0]
+    if name != stem:
+        raise MatrixError(f"{where}: name {name!r} does not match the file name {stem!r}")
+    cases: list[MatrixCase] = []
+    for inc in _str_list(doc.get("include", []), where, "include"):
+        if inc in stack or inc == name:
+            raise MatrixError(f"{where}: include cycle: {' -> '.join((*stack, name, inc))}")
+        cases += _load_file(_resolve_include(inc, path), (*stack, name))[0]
+    groups = doc["groups"]
+    if not isinstance(groups, list) or not groups:
+        raise MatrixError(f"{where}: groups must be a non-empty list")
+    seen_groups: set[str] = set()
+    for i, group in enumerate(groups):
+        cases += _expand_group(group, i, where, seen_groups)
+    return cases, description, name
+
+
+# --------------------------------------------------------------------------- groups
+
+
+def _expand_group(group: Any, index: int, file: str, seen: set[str]) -> list[MatrixCase]:
+    if not isinstance(group, dict):
+        raise MatrixError(f"{file}: group {index} is not a mapping")
+    gname = group.get("name")
+    if not isinstance(gname, str) or not gname:
+        raise MatrixError(f"{file}: group {index} needs a name")
+    where = f"{file}: group {gname!r}"
+    if gname in seen:
+        raise MatrixError(f"{where}: duplicate group name")
+    seen.add(gname)
+    _unknown(group, GROUP_KEYS, where, "group key")
+    kind = group.get("kind")
+    if kind not in CASE_TYPES:
+        raise MatrixError(f"{where}: kind must be one of {', '.join(CASE_TYPES)}, not {kind!r}")
+    covers = group.get("covers", []) or []
+    if not isinstance(covers, list):
+        raise MatrixError(f"{where}: covers must be a list of DESIGN §5 bug classes (1..12)")
+    for c in covers:
+        if isinstance(c, bool) or c not in BUG_CLASSES:
+            raise MatrixError(f"{where}: covers {c!r} is not a DESIGN §5 bug class (1..12)")
+    base = group.get("base", {}) or {}
+    axes = dict(group.get("axes", {}) or {})
+    if not isinstance(base, dict) or not isinstance(axes, dict):
+        raise MatrixError(f"{where}: base and axes must be mappings")
+    if "seeds" in group:
+        if "seed" in axes:
+            raise MatrixError(f"{where}: give seeds either as `seeds:` or as an axis, not both")
+        axes["seed"] = group["seeds"]
+    for key in base:
+        _check_path(kind, str(key), where, "base field")
+    for key, values in axes.items():
+        _check_path(kind, str(key), where, "axis")
+        if not isinstance(values, list) or not values:
+            raise MatrixError(f"{where}: axis {key!r} must be a non-empty list of values")
+    markers = tuple(_str_list(group.get("markers", []), where, "markers"))
+    for m in markers:
+        if m not in KNOWN_MARKERS:
+            raise MatrixError(f"{where}: unknown marker {m!r}; known: {', '.join(KNOWN_MARKERS)}")
+    rules = group.get("exclude", []) or []
+    if not isinstance(rules, list) or not all(isinstance(r, dict) and r for r in rules):
+        raise MatrixError(f"{where}: exclude must be a list of non-empty mappings")
+    for rule in rules:
+        for key in rule:
+            _check_path(kind, str(key), where, "exclude key")
+
+    out: list[MatrixCase] = []
+    rule_hits = [0] * len(rules)
+    for combo in _combinations(axes):
+        fields = _resolve_fields(base, combo)
+        hit = [i for i, r in enumerate(rules) if _matches(kind, fields, r)]
+        for i in hit:
+            rule_hits[i] += 1
+        if hit:
+            continue
+        label = "{" + ", ".join(f"{k}: {_short(v)}" for k, v in combo.items()) + "}"
+        try:
+            case = case_from_dict({"kind": kind, **_typed_fields(kind, fields)})
+        except (ValueError, TypeError) as e:
+            raise MatrixError(f"{where}: combination {label}: {e}".replace("\n", " ")) from None
+        marks = tuple(sorted(set(derived_markers(case)) | set(markers)))
+        out.append(MatrixCase(case, marks, gname))
+    for i, n in enumerate(rule_hits):
+        if n == 0:
+            raise MatrixError(f"{where}: exclude rule {rules[i]} matches no combination")
+    if not out:
+        raise MatrixError(f"{where}: every combination is excluded")
+    return out
+
+
+def _combinations(axes: dict[str, list[Any]]) -> Iterator[dict[str, Any]]:
+    keys = list(axes)
+    for values in itertools.product(*(axes[k] for k in keys)):
+        yield dict(zip(keys, values, strict=True))
+
+
+def _resolve_fields(base: Mapping[str, Any], combo: Mapping[str, Any]) -> dict[str, Any]:
+    """Base overlaid with one combination: dotted keys and mapping values merge into mappings."""
+    fields: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for key, value in combo.items():
+        head, _, sub = key.partition(".")
+        if sub:
+            nested = fields.get(head)
+            fields[head] = {**(nested if isinstance(nested, dict) else {}), sub: value}
+        elif isinstance(value, dict) and isinstance(fields.get(head), dict):
+            fields[head] = {**fields[head], **value}
+        else:
+            fields[head] = value
+    return fields
+
+
+def _matches(kind: str, fields: Mapping[str, Any], rule: Mapping[str, Any]) -> bool:
+    return all(_lookup(kind, fields, str(k)) == v for k, v in rule.items())
+
+
+def _lookup(kind: str, fields: Mapping[str, Any], key: str) -> Any:
+    """A (dotted) field of a resolved combination, or the dataclass default when unset."""
+    head, _, sub = key.partition(".")
+    default = _field_defaults(CASE_TYPES[kind])[head]
+    value = fields.get(head, default)
+    if not sub:
+        return value
+    if value is None:  # an unset optional mapping (unpaged prefill): no sub-field matches
+        return None
+    if isinstance(value, dict) and sub in value:
+        return value[sub]
+    return _field_defaults(_NESTED_TYPES[head])[sub]
+
+
+def _field_defaults(cls: type) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+    return out
+
+
+def _check_path(kind: str, key: str, where: str, what: str) -> None:
+    head, _, sub = key.partition(".")
+    known = _field_defaults(CASE_TYPES[kind])
+    if head not in known:
+        raise MatrixError(f"{where}: unknown {what} {key!r} for a {kind} case; "
+                          f"known: {', '.join(sorted(known))}")
+    if sub:
+        nested = _NESTED_TYPES.get(head)
+        if nested is None:
+            raise MatrixError(f"{where}: {what} {key!r}: {head} has no sub-fields")
+        if sub not in _field_defaults(nested):
+            raise MatrixError(f"{where}: unknown {what} {key!r}; {head} has "
+                              f"{', '.join(sorted(_field_defaults(nested)))}")
+
+
+# --------------------------------------------------------------------------- values
+
+
+def _typed_fields(kind: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Check scalar types against the dataclass defaults (YAML gives strings for typos like
+    `num_heads: 16x`) and expand segment/request generators."""
+    defaults = _field_defaults(CASE_TYPES[kind])
+    out: dict[str, Any] = {}
+    for key, value in fields.items():
+        if key in _SEQUENCE_FIELDS:
+            out[key] = _sequence(key, value)
+        elif key in _NESTED_TYPES:
+            if value is None and defaults[key] is None:
+                out[key] = None
+                continue
+            if not isinstance(value, dict):
+                raise ValueError(f"{key} must be a mapping, got {_short(value)}")
+            sub_defaults = _field_defaults(_NESTED_TYPES[key])
+            for sk, sv in value.items():
+                if sk not in sub_defaults:
+                    raise ValueError(f"unknown {key} field {sk!r}; known: "
+                                     f"{', '.join(sorted(sub_defaults))}")
+                _check_type(f"{key}.{sk}", sv, sub_defaults[sk])
+            out[key] = value
+        else:
+            _check_type(key, value, defaults[key])
+            out[key] = value
+    return out
+
+
+def _check_type(name: str, value: Any, default: Any) -> None:
+    if default is None:  # optional int fields (valid_cap): None or an int
+        ok = value is None or (isinstance(value, int) and not isinstance(value, bool))
+    elif isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        expected = type(default).__name__ if default is not None else "int or null"
+        raise ValueError(f"{name} must be {expected}, got {_short(value)}")
+
+
+def _sequence(key: str, value: Any) -> list[list[int]]:
+    names = _SEQUENCE_FIELDS[key]
+    if isinstance(value, dict):
+        return _generate(key, value)
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{key} must be a non-empty list of {names} pairs or a generator mapping")
+    out = []
+    for item in value:
+        if (not isinstance(item, list) or not 1 <= len(item) <= 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
+            raise ValueError(f"{key} entry {_short(item)} must be [{names[0]}, {names[1]}] (ints)")
+        out.append(list(item))
+    return out
+
+
+def _generate(key: str, spec: Mapping[str, Any]) -> list[list[int]]:
+    """`{repeat: n, q_len: a|[lo,hi], <len>: b|[lo,hi]}` -> n [q_len, len] pairs (module doc)."""
+    allowed = _GENERATOR_KEYS[key]
+    unknown = set(spec) - set(allowed)
+    if unknown or set(allowed[:2]) - set(spec):
+        raise ValueError(f"{key} generator takes {', '.join(allowed)} (repeat and q_len required)")
+    n = spec["repeat"]
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"{key} generator: repeat must be an int >= 1, got {_short(n)}")
+    columns = [_spread(f"{key}.{name}", spec.get(name, 0), n) for name in allowed[1:]]
+    return [list(pair) for pair in zip(*columns, strict=True)]
+
+
+def _spread(name: str, value: Any, n: int) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value] * n
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+            or value[0] > value[1]):
+        raise ValueError(f"{name} must be an int or [lo, hi] with lo <= hi, got {_short(value)}")
+    lo, hi = value
+    # lo + i * (hi - lo) / (n - 1), rounded half up in integers (no banker's rounding)
+    even = [lo + (2 * i * (hi - lo) + n - 1) // (2 * (n - 1)) for i in range(n)] if n > 1 else [lo]
+    interleaved = []
+    for i in range((n + 1) // 2):  # lo, hi, lo+d, hi-d, ...: neighbours differ in length
+        interleaved.append(even[i])
+        if n - 1 - i != i:
+            interleaved.append(even[n - 1 - i])
+    return interleaved
+
+
+def _str_list(value: Any, where: str, what: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise MatrixError(f"{where}: {what} must be a list of strings")
+    return value
+
+
+def _unknown(d: Mapping[Any, Any], allowed: tuple[str, ...], where: str, what: str) -> None:
+    extra = [str(k) for k in d if k not in allowed]
+    if extra:
+        raise MatrixError(f"{where}: unknown {what}(s) {', '.join(extra)}; "
+                          f"known: {', '.join(allowed)}")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = str(value).replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,344 @@
+"""Hypothesis strategies over MLA cases, and a search for a backend's smallest failing case.
+
+The matrices (mlacheck/matrices) pin the cases a gate runs; these strategies explore the
+space between them. Every strategy yields valid cases only (the spec's rules are respected
+by construction, not filtered), bounded to CPU-cheap sizes by default; the keyword
+arguments widen them. Choice lists are ordered simplest first (bf16, 16 heads, page size 16,
+one request, q_len 1, no context, causal), because Hypothesis shrinks `sampled_from` toward
+the first element and integers toward their lower bound: a failure shrinks to the simplest
+case that still fails, which is what a kernel engineer wants to debug.
+
+`find_failing_case(backend, strategy)` searches (derandomized, no example database, so CI
+runs are reproducible) and returns the shrunk case with its verdict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hypothesis import HealthCheck, Phase, Verbosity, find, settings
+from hypothesis import strategies as st
+from hypothesis.errors import NoSuchExample
+
+from mlacheck.backends.base import Backend
+from mlacheck.harness import RunOptions, run_case
+from mlacheck.judge import CRASH, FAIL, Verdict
+from mlacheck.spec import (
+    DEEPSEEK_V3,
+    NO_YARN,
+    Case,
+    DecodeCase,
+    Paging,
+    Placement,
+    PrefillCase,
+    Quant,
+    Request,
+    Segment,
+    SparseDecodeCase,
+    vector_width,
+)
+
+# 16 first: the head count every MLA kernel handles natively (no padding); then by size.
+HEAD_COUNTS: tuple[int, ...] = (16, 8, 12, 24, 32, 64, 128)
+
+# Input formats, simplest first. Unit scales only ever meet the realistic profile (see
+# `_quants_for`): unit scale + stress is expected to fail the quantisation-loss check.
+QUANTS: tuple[Quant, ...] = (
+    Quant("bf16", "bf16"),
+    Quant("fp16", "fp16"),
+    Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax"),
+    Quant("fp8_e4m3fnuz", "fp8_e4m3fnuz", "amax"),
+    Quant("fp8_e4m3fn", "fp8_e4m3fn", "unit"),
+    Quant("fp8_e4m3fnuz", "fp8_e4m3fnuz", "unit"),
+    Quant("bf16", "fp8_e4m3fn", "amax"),  # fp8 KV cache under bf16 queries
+)
+
+# 16 first: the page size most paths are tested with; 1 and 1024 are the rare ends.
+PAGE_SIZES: tuple[int, ...] = (16, 1, 64, 1024)
+LAYOUTS: tuple[str, ...] = ("linear", "vectorized")
+PLACEMENTS: tuple[Placement, ...] = (
+    Placement(),
+    Placement("packed"),
+    Placement(tail_poison="sentinel"),
+)
+# >2 GB / >4 GB pools: opt in (`placements=PLACEMENTS + LARGE_KV_PLACEMENTS`); each case
+# then allocates and poisons gigabytes, seconds per example on a CPU.
+LARGE_KV_PLACEMENTS: tuple[Placement, ...] = (
+    Placement("high", offset_bytes=1 << 31),
+    Placement("high", offset_bytes=1 << 32),
+)
+# Realistic only by default: with the current tolerances the stress profile fails the
+# quantisation-loss check even on the reference backend, so a search over it would only
+# rediscover that. Pass profiles=("realistic", "stress") to include it.
+PROFILES: tuple[str, ...] = ("realistic",)
+SOFT_CAPS: tuple[float, ...] = (0.0, 30.0)  # 0 = off; 30 is the usual soft-cap value
+# Production topk (DeepSeek-V3.2) is 2048, but a 2048-wide case costs seconds on a CPU;
+# the small values exercise the same boundary logic. Widen with topks=(64, 2048).
+TOPKS: tuple[int, ...] = (64, 128)
+
+# CPU-cheap default bounds (each example runs in well under a second on 2 cores).
+DEFAULT_MAX_TOKENS = 128  # prefill: sum of q + context tokens over segments
+DEFAULT_MAX_SEGMENTS = 4
+DEFAULT_MAX_BATCH = 4  # decode / sparse requests
+DEFAULT_MAX_KV = 512  # decode kv_len
+DEFAULT_MAX_Q_LEN = 4  # MTP decode: q_len 1..4
+DEFAULT_SPARSE_EXTRA_KV = 64  # sparse kv_len reaches topk + this
+
+
+def _quants_for(profile: str, quants: Sequence[Quant]) -> list[Quant]:
+    if profile == "stress":
+        return [q for q in quants if not (q.is_fp8 and q.scale == "unit")]
+    return list(quants)
+
+
+@st.composite
+def _quant_and_profile(
+    draw: st.DrawFn, quants: Sequence[Quant], profiles: Sequence[str]
+) -> tuple[Quant, str]:
+    profile = draw(st.sampled_from(profiles))
+    allowed = _quants_for(profile, quants)
+    if not allowed:
+        raise ValueError(f"no quant in {quants} may be combined with the {profile} profile")
+    return draw(st.sampled_from(allowed)), profile
+
+
+@st.composite
+def _segments(draw: st.DrawFn, max_tokens: int, max_segments: int) -> tuple[Segment, ...]:
+    """1..max_segments segments whose q + context tokens sum to at most max_tokens."""
+    n = draw(st.integers(1, min(max_segments, max_tokens)))
+    budget = max_tokens
+    out = []
+    for i in range(n):
+        cap = budget - (n - i - 1)  # leave one token for each later segment
+        q_len = draw(st.integers(1, cap))
+        context = draw(st.integers(0, cap - q_len))
+        budget -= q_len + context
+        out.append(Segment(q_len, context))
+    return tuple(out)
+
+
+@st.composite
+def _prefill(
+    draw: st.DrawFn, *, paged: bool, max_tokens: int, max_segments: int,
+    head_counts: Sequence[int], quants: Sequence[Quant], profiles: Sequence[str],
+    page_sizes: Sequence[int], layouts: Sequence[str], placements: Sequence[Placement],
+) -> PrefillCase:
+    if max_tokens < 1 or max_segments < 1:
+        raise ValueError("max_tokens and max_segments must be >= 1")
+    quant, profile = draw(_quant_and_profile(quants, profiles))
+    paging = None
+    placement = Placement()
+    if paged:
+        vec = vector_width(quant.kv)
+        options = [Paging(ps, lay) for lay in layouts for ps in page_sizes
+                   if lay == "linear" or ps % vec == 0]
+        # order: by page size preference first, then layout (linear before vectorized)
+        options.sort(key=lambda p: (list(page_sizes).index(p.page_size),
+                                    list(layouts).index(p.layout)))
+        if not options:
+            raise ValueError(f"no page size in {page_sizes} fits layouts {layouts} for {quant}")
+        paging = draw(st.sampled_from(options))
+        placement = draw(st.sampled_from(placements))
+    return PrefillCase(
+        segments=draw(_segments(max_tokens, max_segments)),
+        num_heads=draw(st.sampled_from(head_counts)),
+        causal=draw(st.sampled_from((True, False))),
+        quant=quant,
+        soft_cap=draw(st.sampled_from(SOFT_CAPS)),
+        return_lse=draw(st.sampled_from((True, False))),
+        paging=paging,
+        placement=placement,
+        profile=profile,  # type: ignore[arg-type]
+        dims=draw(st.sampled_from((DEEPSEEK_V3, NO_YARN))),
+    )
+
+
+def prefill_cases(
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_segments: int = DEFAULT_MAX_SEGMENTS,
+    head_counts: Sequence[int] = HEAD_COUNTS,
+    quants: Sequence[Quant] = QUANTS,
+    profiles: Sequence[str] = PROFILES,
+) -> st.SearchStrategy[PrefillCase]:
+    """Unpaged MHA-view prefill: multi-segment, chunked context, causal on/off, soft cap."""
+    return _prefill(paged=False, max_tokens=max_tokens, max_segments=max_segments,
+                    head_counts=head_counts, quants=quants, profiles=profiles,
+                    page_sizes=PAGE_SIZES, layouts=LAYOUTS, placements=PLACEMENTS)
+
+
+def paged_prefill_cases(
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_segments: int = DEFAULT_MAX_SEGMENTS,
+    head_counts: Sequence[int] = HEAD_COUNTS,
+    quants: Sequence[Quant] = QUANTS,
+    profiles: Sequence[str] = PROFILES,
+    page_sizes: Sequence[int] = PAGE_SIZES,
+    layouts: Sequence[str] = LAYOUTS,
+    placements: Sequence[Placement] = PLACEMENTS,
+) -> st.SearchStrategy[PrefillCase]:
+    """CK batch prefill: paged K/V, linear or vectorized (only page sizes the layout allows)."""
+    return _prefill(paged=True, max_tokens=max_tokens, max_segments=max_segments,
+                    head_counts=head_counts, quants=quants, profiles=profiles,
+                    page_sizes=page_sizes, layouts=layouts, placements=placements)
+
+
+@st.composite
+def _requests(draw: st.DrawFn, max_batch: int, max_q_len: int, max_kv: int
+              ) -> tuple[Request, ...]:
+    n = draw(st.integers(1, max_batch))
+    out = []
+    for _ in range(n):
+        q_len = draw(st.integers(1, min(max_q_len, max_kv)))
+        out.append(Request(q_len, draw(st.integers(q_len, max_kv))))
+    return tuple(out)
+
+
+@st.composite
+def _decode(
+    draw: st.DrawFn, *, max_batch: int, max_q_len: int, max_kv: int,
+    head_counts: Sequence[int], quants: Sequence[Quant], profiles: Sequence[str],
+    page_sizes: Sequence[int], placements: Sequence[Placement],
+) -> DecodeCase:
+    if max_batch < 1 or max_q_len < 1 or max_kv < 1:
+        raise ValueError("max_batch, max_q_len and max_kv must be >= 1")
+    quant, profile = draw(_quant_and_profile(quants, profiles))
+    return DecodeCase(
+        requests=draw(_requests(max_batch, max_q_len, max_kv)),
+        num_heads=draw(st.sampled_from(head_counts)),
+        page_size=draw(st.sampled_from(page_sizes)),
+        quant=quant,
+        placement=draw(st.sampled_from(placements)),
+        profile=profile,  # type: ignore[arg-type]
+    )
+
+
+def decode_cases(
+    max_batch: int = DEFAULT_MAX_BATCH,
+    max_q_len: int = DEFAULT_MAX_Q_LEN,
+    max_kv: int = DEFAULT_MAX_KV,
+    head_counts: Sequence[int] = HEAD_COUNTS,
+    quants: Sequence[Quant] = QUANTS,
+    profiles: Sequence[str] = PROFILES,
+    page_sizes: Sequence[int] = PAGE_SIZES,
+    placements: Sequence[Placement] = PLACEMENTS,
+) -> st.SearchStrategy[DecodeCase]:
+    """Absorbed-MQA paged decode: ragged batches, MTP q_len up to max_q_len, every page size."""
+    return _decode(max_batch=max_batch, max_q_len=max_q_len, max_kv=max_kv,
+                   head_counts=head_counts, quants=quants, profiles=profiles,
+                   page_sizes=page_sizes, placements=placements)
+
+
+@st.composite
+def _sparse(
+    draw: st.DrawFn, *, max_batch: int, max_q_len: int, topks: Sequence[int], extra_kv: int,
+    head_counts: Sequence[int], quants: Sequence[Quant], profiles: Sequence[str],
+    page_sizes: Sequence[int], placements: Sequence[Placement],
+) -> SparseDecodeCase:
+    if min(topks) <= max_q_len:
+        raise ValueError("every topk must exceed max_q_len (kv_len near topk must be >= q_len)")
+    quant, profile = draw(_quant_and_profile(quants, profiles))
+    topk = draw(st.sampled_from(topks))
+    n = draw(st.integers(1, max_batch))
+    requests = []
+    for _ in range(n):
+        q_len = draw(st.integers(1, max_q_len))
+        # at the topk boundary first (at, just below, just above), else anywhere
+        near = st.sampled_from((topk, topk - 1, topk + 1))
+        kv_len = draw(st.one_of(near, st.integers(q_len, topk + extra_kv)))
+        requests.append(Request(q_len, kv_len))
+    valid_cap = draw(st.one_of(st.none(), st.integers(0, topk - 1)))
+    return SparseDecodeCase(
+        requests=tuple(requests),
+        topk=topk,
+        valid_cap=valid_cap,
+        num_heads=draw(st.sampled_from(head_counts)),
+        page_size=draw(st.sampled_from(page_sizes)),
+        quant=quant,
+        placement=draw(st.sampled_from(placements)),
+        profile=profile,  # type: ignore[arg-type]
+    )
+
+
+def sparse_cases(
+    max_batch: int = 2,
+    max_q_len: int = 2,
+    topks: Sequence[int] = TOPKS,
+    extra_kv: int = DEFAULT_SPARSE_EXTRA_KV,
+    head_counts: Sequence[int] = HEAD_COUNTS,
+    quants: Sequence[Quant] = QUANTS,
+    profiles: Sequence[str] = PROFILES,
+    page_sizes: Sequence[int] = PAGE_SIZES,
+    placements: Sequence[Placement] = PLACEMENTS,
+) -> st.SearchStrategy[SparseDecodeCase]:
+    """Sparse top-k decode with kv_len around topk (below, at, above) and valid_cap < topk."""
+    return _sparse(max_batch=max_batch, max_q_len=max_q_len, topks=topks, extra_kv=extra_kv,
+                   head_counts=head_counts, quants=quants, profiles=profiles,
+                   page_sizes=page_sizes, placements=placements)
+
+
+def cases(op: str = "any") -> st.SearchStrategy[Case]:
+    """The default strategy for one op name (spec.OPS), or for all of them ("any")."""
+    by_op: dict[str, st.SearchStrategy[Case]] = {
+        "mla_prefill": prefill_cases(),
+        "paged_prefill": paged_prefill_cases(),
+        "mla_decode": decode_cases(),
+        "mla_sparse_decode": sparse_cases(),
+    }
+    if op == "any":
+        return st.one_of(*by_op.values())
+    if op not in by_op:
+        raise ValueError(f"unknown op {op!r}; known: {', '.join(by_op)}, any")
+    return by_op[op]
+
+
+def find_failing_case(
+    backend: Backend,
+    strategy: st.SearchStrategy[Case],
+    max_examples: int = 200,
+    device: str = "cpu",
+) -> tuple[Case, Verdict] | None:
+    """The simplest case from `strategy` that `backend` FAILs or CRASHes on, and its verdict.
+
+    None when no failure turns up in `max_examples` examples. Deterministic: derandomized,
+    without an example database. A SKIP (unsupported case) is not a failure. A DeviceError
+    (poisoned device context) propagates: the search cannot go on on that device.
+    """
+    failing: dict[str, Verdict] = {}
+    opts = RunOptions(device=device)
+
+    def fails(case: Case) -> bool:
+        v = run_case(case, backend, opts)
+        if v.status in (FAIL, CRASH):
+            failing[case.id] = v
+            return True
+        return False
+
+    search = settings(
+        max_examples=max_examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        verbosity=Verbosity.quiet,
+        phases=(Phase.generate, Phase.shrink),
+        suppress_health_check=list(HealthCheck),
+    )
+    try:
+        case = find(strategy, fails, settings=search)
+    except NoSuchExample:
+        return None
+    return case, failing[case.id]
+
+
+__all__ = [
+    "HEAD_COUNTS",
+    "LARGE_KV_PLACEMENTS",
+    "PAGE_SIZES",
+    "PLACEMENTS",
+    "QUANTS",
+    "cases",
+    "decode_cases",
+    "find_failing_case",
+    "paged_prefill_cases",
+    "prefill_cases",
+    "sparse_cases",
+]

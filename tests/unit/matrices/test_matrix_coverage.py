@@ -1,0 +1,161 @@
+"""The packaged matrices cover what they claim: DESIGN §5's bug classes and the feature list,
+checked on the cases themselves (not on the YAML comments); smoke runs green and fast."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from mlacheck.backends.torch_ref import TorchBackend
+from mlacheck.harness import run_case
+from mlacheck.matrices import MatrixCase, load
+from mlacheck.matrices.loader import BUG_CLASSES, _read_yaml, _resolve
+from mlacheck.spec import DecodeCase, PrefillCase, SparseDecodeCase
+
+MATRICES = ("smoke", "premerge", "nightly", "full")
+FP8_FORMATS = ("fp8_e4m3fn", "fp8_e4m3fnuz")
+PAGE_SIZES = {1, 16, 64, 1024}
+HEAD_COUNTS = {8, 12, 16, 24, 32, 64, 128}
+TWO_31, TWO_32 = 1 << 31, 1 << 32
+LONG_PREFILL_TOKENS = 16384  # "multi-segment prefill up to 16k tokens"
+MAX_BATCH = 128
+SMOKE_MAX_CASES = 60  # smoke is one small case per feature
+SMOKE_CPU_SECONDS = 60  # the budget smoke must meet on a 2-core CPU with the torch backend
+PREMERGE_CASES = range(150, 301)  # moderate: CPU-feasible, minutes on a GPU
+
+
+@pytest.fixture(scope="module")
+def union() -> list[MatrixCase]:
+    seen: dict[str, MatrixCase] = {}
+    for name in MATRICES:
+        for mc in load(name).cases:
+            seen.setdefault(mc.id, mc)
+    return list(seen.values())
+
+
+def prefills(cases: list[MatrixCase]) -> list[PrefillCase]:
+    return [mc.case for mc in cases if isinstance(mc.case, PrefillCase)]
+
+
+def decodes(cases: list[MatrixCase]) -> list[DecodeCase]:
+    return [mc.case for mc in cases if type(mc.case) is DecodeCase]
+
+
+def sparses(cases: list[MatrixCase]) -> list[SparseDecodeCase]:
+    return [mc.case for mc in cases if isinstance(mc.case, SparseDecodeCase)]
+
+
+def covers(name: str) -> set[int]:
+    """Bug classes claimed by the groups of one file (its includes not counted)."""
+    doc = _read_yaml(_resolve(name))
+    return {c for g in doc["groups"] for c in g.get("covers", [])}
+
+
+def test_every_bug_class_is_claimed_by_premerge_and_by_the_union() -> None:
+    assert covers("premerge") == set(BUG_CLASSES)
+    assert set().union(*(covers(n) for n in MATRICES)) == set(BUG_CLASSES)
+
+
+def test_page_sizes_and_layouts(union: list[MatrixCase]) -> None:
+    paged = [c for c in prefills(union) if c.paging is not None]
+    assert {c.paging.page_size for c in paged} >= PAGE_SIZES  # type: ignore[union-attr]
+    for layout in ("linear", "vectorized"):
+        sizes = {c.paging.page_size for c in paged if c.paging.layout == layout}  # type: ignore[union-attr]
+        assert sizes >= (PAGE_SIZES - {1} if layout == "vectorized" else PAGE_SIZES), layout
+    assert {c.page_size for c in decodes(union)} >= PAGE_SIZES
+    assert {c.page_size for c in sparses(union)} >= PAGE_SIZES
+
+
+def test_formats_and_scale_policies(union: list[MatrixCase]) -> None:
+    for kind in (prefills, decodes):
+        quants = {(c.quant.q, c.quant.kv, c.quant.scale, c.profile) for c in kind(union)}
+        assert {q[0] for q in quants} >= {"bf16", "fp16", *FP8_FORMATS}
+        for fmt in FP8_FORMATS:
+            assert (fmt, fmt, "unit", "realistic") in quants, (kind.__name__, fmt)
+            assert (fmt, fmt, "amax", "realistic") in quants, (kind.__name__, fmt)
+            assert (fmt, fmt, "amax", "stress") in quants, (kind.__name__, fmt)
+    # unit scale + stress belongs to the fault catalogue: it must not be in any matrix
+    bad = [mc.id for mc in union if mc.case.quant.is_fp8 and mc.case.quant.scale == "unit"
+           and mc.case.profile == "stress"]
+    assert not bad
+
+
+def test_causal_both_ways_over_context(union: list[MatrixCase]) -> None:
+    with_context = [c for c in prefills(union) if any(s.context_len > 0 for s in c.segments)]
+    assert {c.causal for c in with_context} == {True, False}
+    chunked = [c for c in with_context if len(c.segments) > 1]
+    assert {c.causal for c in chunked} == {True, False}
+
+
+def test_batches_heads_mtp(union: list[MatrixCase]) -> None:
+    batches = {len(c.requests) for c in decodes(union)}
+    assert {1, MAX_BATCH} <= batches
+    assert any(len({r.kv_len for r in c.requests}) == len(c.requests) > 2
+               for c in decodes(union)), "a decode batch with mixed kv lengths"
+    assert {mc.case.num_heads for mc in union} >= HEAD_COUNTS
+    for kind in (prefills, decodes, sparses):
+        assert {c.num_heads for c in kind(union)} >= {8, 12, 16, 128}, kind.__name__
+    assert {r.q_len for c in decodes(union) for r in c.requests} >= {1, 2, 3, 4}
+    assert any(len({r.q_len for r in c.requests}) > 1 for c in decodes(union)), "mixed MTP batch"
+
+
+def test_long_multisegment_prefill(union: list[MatrixCase]) -> None:
+    long_ones = [c for c in prefills(union)
+                 if c.total_q >= LONG_PREFILL_TOKENS and len(c.segments) >= 2]
+    assert long_ones
+    assert any(s.context_len > 0 for c in long_ones for s in c.segments), "chunked 16k"
+
+
+def test_sparse_topk_boundary(union: list[MatrixCase]) -> None:
+    cases = sparses(union)
+    for delta in (-1, 0, 1):
+        assert any(r.kv_len == c.topk + delta for c in cases for r in c.requests), delta
+    assert any(c.valid_cap is not None and c.valid_cap < c.topk for c in cases)
+    assert any(c.max_q_len > 1 for c in cases), "sparse MTP"
+
+
+def test_soft_cap_sentinel_and_large_kv(union: list[MatrixCase]) -> None:
+    assert any(c.soft_cap > 0 for c in prefills(union))
+    assert any(mc.case.placement.tail_poison == "sentinel" for mc in union)
+    for op_cases in (decodes(union), [c for c in prefills(union) if c.paging is not None]):
+        offsets = {c.placement.offset_bytes for c in op_cases if c.placement.kind == "high"}
+        assert offsets >= {TWO_31, TWO_32}
+    high = [mc for mc in union if mc.case.placement.kind == "high"]
+    assert high and all("large_kv" in mc.markers for mc in high)
+
+
+def test_persistent_marker_on_every_decode_and_sparse(union: list[MatrixCase]) -> None:
+    for mc in union:
+        assert ("persistent" in mc.markers) == (not isinstance(mc.case, PrefillCase)), mc.id
+
+
+def test_matrices_nest_and_premerge_runs_everywhere() -> None:
+    ids = {name: {mc.id for mc in load(name).cases} for name in MATRICES}
+    assert ids["premerge"] <= ids["nightly"] <= ids["full"]
+    premerge = load("premerge")
+    assert len(premerge.cases) in PREMERGE_CASES
+    # the gate runs in full: nothing in it may be deselected as gpu-only or slow
+    assert not [mc.id for mc in premerge.cases if {"gpu", "slow"} & set(mc.markers)]
+    nightly_only = [mc for mc in load("nightly").cases if mc.id not in ids["premerge"]]
+    assert any("gpu" in mc.markers for mc in nightly_only)
+
+
+def test_smoke_passes_on_the_torch_backend_within_budget() -> None:
+    smoke = load("smoke")
+    assert len(smoke.cases) <= SMOKE_MAX_CASES
+    backend = TorchBackend()
+    start = time.perf_counter()
+    statuses = {mc.id: run_case(mc.case, backend).status for mc in smoke.cases}
+    elapsed = time.perf_counter() - start
+    assert {s for s in statuses.values()} == {"PASS"}, statuses
+    assert elapsed < SMOKE_CPU_SECONDS
+
+
+@pytest.mark.slow
+def test_premerge_passes_on_the_torch_backend() -> None:
+    """No false alarm in the gate on the reference backend (~50 s on a 2-core CPU)."""
+    backend = TorchBackend()
+    failed = [v.summary() for v in (run_case(mc.case, backend) for mc in load("premerge").cases)
+              if v.status != "PASS"]
+    assert not failed, "\n".join(failed)

@@ -1,0 +1,291 @@
+"""The matrix loader: schema semantics (product, dotted axes, merges, generators, exclude,
+markers, seeds, include, duplicates) and one-line MatrixErrors for malformed files."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mlacheck.matrices import MatrixError, derived_markers, load, names
+from mlacheck.spec import (
+    DecodeCase,
+    Paging,
+    Placement,
+    PrefillCase,
+    Quant,
+    Request,
+    Segment,
+    SparseDecodeCase,
+)
+
+
+def write(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"name: {name}\ndescription: test\n" + textwrap.dedent(body))
+    return path
+
+
+def error_of(path: Path | str) -> str:
+    with pytest.raises(MatrixError) as info:
+        load(str(path))
+    message = str(info.value)
+    assert "\n" not in message, "a MatrixError is one line"
+    return message
+
+
+# --------------------------------------------------------------------------- packaged
+
+
+def test_packaged_names_smallest_first() -> None:
+    assert names()[:4] == ["smoke", "premerge", "nightly", "full"]
+
+
+@pytest.mark.parametrize("name", ["smoke", "premerge", "nightly", "full"])
+def test_packaged_matrices_load_with_unique_ids(name: str) -> None:
+    m = load(name)
+    assert m.name == name and m.description
+    ids = [mc.id for mc in m.cases]
+    assert len(ids) == len(set(ids)) and ids
+
+
+def test_unknown_matrix_name_lists_known_ones() -> None:
+    message = error_of("nosuch")
+    assert "unknown matrix 'nosuch'" in message and "smoke" in message
+
+
+def test_seed_offsets_every_case_seed() -> None:
+    base, shifted = load("smoke"), load("smoke", seed=7)
+    assert len(base.cases) == len(shifted.cases)
+    for a, b in zip(base.cases, shifted.cases, strict=True):
+        assert b.case.seed == a.case.seed + 7
+        assert b.id != a.id and b.markers == a.markers
+    with pytest.raises(MatrixError, match="seed must be an int >= 0"):
+        load("smoke", seed=-1)
+
+
+# --------------------------------------------------------------------------- semantics
+
+
+def test_product_dotted_axes_and_exclude(tmp_path: Path) -> None:
+    path = write(tmp_path, "m", """
+        groups:
+          - name: paged
+            kind: prefill
+            base: {segments: [[8, 4], [3, 0]], num_heads: 8}
+            axes:
+              paging.page_size: [1, 16]
+              paging.layout: [linear, vectorized]
+              causal: [true, false]
+            exclude:
+              - {paging.page_size: 1, paging.layout: vectorized}
+    """)
+    m = load(str(path))
+    # 2 page sizes x 2 layouts x 2 causal, minus (1, vectorized) x 2 causal
+    assert len(m.cases) == 6
+    pagings = {mc.case.paging for mc in m.cases}
+    assert pagings == {Paging(1, "linear"), Paging(16, "linear"), Paging(16, "vectorized")}
+    first = m.cases[0].case
+    assert first == PrefillCase(segments=(Segment(8, 4), Segment(3, 0)), num_heads=8,
+                                paging=Paging(1, "linear"), causal=True)
+    assert m.cases[0].markers == ("multiseg",) and m.cases[0].group == "paged"
+
+
+def test_mapping_axis_values_merge_over_base(tmp_path: Path) -> None:
+    path = write(tmp_path, "m", """
+        groups:
+          - name: g
+            kind: decode
+            base: {quant: {q: fp8_e4m3fn, kv: fp8_e4m3fn, scale: unit}}
+            axes:
+              quant: [{scale: amax}, {q: fp8_e4m3fnuz, kv: fp8_e4m3fnuz}]
+    """)
+    quants = [mc.case.quant for mc in load(str(path)).cases]
+    assert quants == [Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax"),
+                      Quant("fp8_e4m3fnuz", "fp8_e4m3fnuz", "unit")]
+
+
+def test_request_generator_spreads_and_interleaves(tmp_path: Path) -> None:
+    path = write(tmp_path, "m", """
+        groups:
+          - name: g
+            kind: decode
+            base: {requests: {repeat: 5, q_len: [1, 3], kv_len: [100, 500]}}
+    """)
+    (mc,) = load(str(path)).cases
+    # evenly spaced (rounded half up): q 1, 2, 2, 3, 3 and kv 100, 200, 300, 400, 500,
+    # then interleaved lo, hi, lo+d, hi-d, middle
+    assert mc.case.requests == (Request(1, 100), Request(3, 500), Request(2, 200),
+                                Request(3, 400), Request(2, 300))
+
+
+def test_segment_generator_totals(tmp_path: Path) -> None:
+    path = write(tmp_path, "m", """
+        groups:
+          - name: g
+            kind: prefill
+            base: {segments: {repeat: 8, q_len: [1024, 3072], context_len: 0}}
+    """)
+    (mc,) = load(str(path)).cases
+    assert len(mc.case.segments) == 8 and mc.case.total_q == 16384
+    assert all(s.context_len == 0 for s in mc.case.segments)
+
+
+def test_markers_derived_and_explicit(tmp_path: Path) -> None:
+    path = write(tmp_path, "m", """
+        groups:
+          - name: big
+            kind: sparse
+            markers: [slow]
+            base:
+              requests: [[1, 70]]
+              topk: 64
+              quant: {q: fp8_e4m3fnuz, kv: fp8_e4m3fnuz}
+              placement: {kind: high, offset_bytes: 2147483648}
+          - name: unpaged-high
+            kind: prefill
+            base: {placement: {kind: high, offset_bytes: 2147483648}}
+    """)
+    sparse, unpaged = load(str(path)).cases
+    assert sparse.markers == ("fp8", "large_kv", "persistent", "slow", "sparse")
+    # an unpaged prefill has no pool: its placement is never used, so no large_kv
+    assert unpaged.markers == ()
+
+
+def test_derived_markers_follow_case_content() -> None:
+    assert derived_markers(DecodeCase()) == ("persistent",)
+    assert derived_markers(SparseDecodeCase()) == ("persistent", "sparse")
+    assert derived_markers(PrefillCase(segments=(Segment(4), Segment(2, 1)))) == ("multiseg",)
+    high = Placement("high", offset_bytes=1 << 32)
+    assert "large_kv" in derived_markers(DecodeCase(placement=high))
+    assert "large_kv" in derived_markers(PrefillCase(paging=Paging(), placement=high))
+
+
+def test_seeds_duplicates_and_sibling_include(tmp_path: Path) -> None:
+    write(tmp_path, "inner", """
+        groups:
+          - name: one
+            kind: decode
+            base: {requests: [[1, 10]], num_heads: 8}
+    """)
+    path = write(tmp_path, "outer", """
+        include: [inner]
+        groups:
+          - name: seeded
+            kind: decode
+            base: {requests: [[1, 10]]}
+            seeds: [0, 1, 2]
+          - name: again
+            kind: decode
+            markers: [gpu]
+            base: {requests: [[1, 10]], seed: 1}
+    """)
+    m = load(str(path))
+    assert m.cases[0].group == "one" and m.cases[0].case.num_heads == 8
+    assert [mc.case.seed for mc in m.cases[1:]] == [0, 1, 2]
+    assert m.duplicates_removed == 1
+    # the duplicate is dropped, its markers are merged into the first occurrence
+    assert m.cases[2].group == "seeded" and "gpu" in m.cases[2].markers
+    assert m.path == str(path)
+
+
+def test_include_cycle_is_an_error(tmp_path: Path) -> None:
+    write(tmp_path, "a", "include: [b]\ngroups: [{name: g, kind: decode}]\n")
+    path = write(tmp_path, "b", "include: [a]\ngroups: [{name: g, kind: decode}]\n")
+    assert "include cycle: b -> a -> b" in error_of(path)
+
+
+def test_include_of_packaged_matrix_comes_first(tmp_path: Path) -> None:
+    path = write(tmp_path, "plus", """
+        include: [smoke]
+        groups:
+          - name: extra
+            kind: decode
+            base: {requests: [[1, 11]]}
+    """)
+    m, smoke = load(str(path)), load("smoke")
+    assert [mc.id for mc in m.cases[: len(smoke.cases)]] == [mc.id for mc in smoke.cases]
+    assert len(m.cases) == len(smoke.cases) + 1
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("groups:\n  - name: g\n    kind: decode\n    base: {num_head: 16}\n",
+         "unknown base field 'num_head' for a decode case"),
+        ("groups:\n  - name: g\n    kind: decode\n    axes: {placement.offset: [1]}\n",
+         "unknown axis 'placement.offset'"),
+        ("groups:\n  - name: g\n    kind: decode\n    base: {num_heads: 16x}\n",
+         "num_heads must be int, got 16x"),
+        ("groups:\n  - name: g\n    kind: decode\n    base: {quant: {q: fp9}}\n",
+         "unknown format 'fp9'"),
+        ("groups:\n  - name: g\n    kind: decode\n    base: {requests: [[5, 2]]}\n",
+         "need 1 <= q_len <= kv_len"),
+        ("groups:\n  - name: g\n    kind: decoder\n", "kind must be one of"),
+        ("groups:\n  - name: g\n    kind: decode\n    markers: [slwo]\n", "unknown marker 'slwo'"),
+        ("groups:\n  - name: g\n    kind: decode\n    covers: [13]\n", "not a DESIGN §5 bug class"),
+        ("groups:\n  - name: g\n    kind: decode\n    covers: 3\n", "covers must be a list"),
+        ("groups:\n  - name: g\n    kind: decode\n    axes: {page_size: 16}\n",
+         "axis 'page_size' must be a non-empty list"),
+        ("groups:\n  - name: g\n    kind: decode\n    axes: {page_size: [16]}\n"
+         "    exclude: [{page_size: 1}]\n", "matches no combination"),
+        ("groups:\n  - name: g\n    kind: decode\n    base: {requests: {repeat: 2}}\n",
+         "generator takes repeat, q_len, kv_len"),
+        ("groups:\n  - name: g\n    kind: decode\n  - name: g\n    kind: decode\n",
+         "duplicate group name"),
+        ("grups: []\n", "unknown top-level key(s) grups"),
+        ("groups:\n  - name: g\n    kind: decode\n    axis: {}\n", "unknown group key(s) axis"),
+    ],
+)
+def test_malformed_files_raise_one_line_naming_file(tmp_path: Path, body: str,
+                                                   expected: str) -> None:
+    path = write(tmp_path, "bad", body)
+    message = error_of(path)
+    assert str(path) in message and expected in message
+
+
+def test_impossible_combination_names_group_and_combination(tmp_path: Path) -> None:
+    path = write(tmp_path, "bad", """
+        groups:
+          - name: paged
+            kind: prefill
+            base: {quant: {q: bf16, kv: bf16}}
+            axes:
+              paging.page_size: [16, 4]
+              paging.layout: [vectorized]
+    """)
+    message = error_of(path)
+    assert "group 'paged'" in message
+    assert "combination {paging.page_size: 4, paging.layout: vectorized}" in message
+    assert "vectorized layout needs page_size % 8 == 0" in message
+
+
+def test_yaml_syntax_error_has_line_number(tmp_path: Path) -> None:
+    path = write(tmp_path, "bad", "groups:\n  - name: g\n    kind: [decode\n")
+    message = error_of(path)
+    assert "YAML syntax error at line" in message
+
+
+def test_duplicate_yaml_key_is_an_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "bad", """
+        groups:
+          - name: g
+            kind: decode
+            axes: {page_size: [1]}
+            axes: {num_heads: [8]}
+    """)
+    assert "duplicate key 'axes'" in error_of(path)
+
+
+def test_name_must_match_file(tmp_path: Path) -> None:
+    path = tmp_path / "file.yaml"
+    path.write_text("name: other\ndescription: x\ngroups: []\n")
+    assert "does not match the file name 'file'" in error_of(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    assert "no such matrix file" in error_of(tmp_path / "absent.yaml")
