@@ -1,0 +1,1 @@
+"""Model of `aiter.jit`: only `jit.utils.chip_info` is modelled."""

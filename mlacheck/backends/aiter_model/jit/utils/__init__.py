@@ -1,0 +1,1 @@
+"""Model of `aiter.jit.utils`: only `chip_info` is modelled."""
