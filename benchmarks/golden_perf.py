@@ -1,0 +1,136 @@
+"""Performance of the suite itself on a GPU: golden throughput vs measured matmul throughput,
+golden peak memory vs the case inputs, and the per-phase split of a results file.
+
+    python benchmarks/golden_perf.py --device cuda [--results premerge.jsonl] [--json out.json]
+
+Golden throughput counts the useful attention FLOPs (causal: only the visible half) divided
+by the golden's wall time, as a fraction of an fp32 (TF32 off) / fp64 8192^3 matmul measured
+in the same run. Peak extra memory is the CUDA allocator's peak during the golden minus what
+was allocated before it, divided by the bytes of the case inputs (q, k, v or the KV pool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from mlacheck import golden, inputs
+from mlacheck.golden.core import exact_matmuls
+from mlacheck.spec import DecodeCase, PrefillCase, Request, Segment
+
+MATMUL_N = 8192  # square matmul used as the device's throughput yardstick
+
+
+def matmul_tflops(dtype: torch.dtype, device: str, reps: int = 5) -> float:
+    a = torch.randn(MATMUL_N, MATMUL_N, dtype=dtype, device=device)
+    b = torch.randn(MATMUL_N, MATMUL_N, dtype=dtype, device=device)
+    with exact_matmuls():
+        torch.matmul(a, b)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            torch.matmul(a, b)
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t) / reps
+    return 2 * MATMUL_N**3 / dt / 1e12
+
+
+def attention_flops(case: PrefillCase | DecodeCase) -> float:
+    d = case.dims
+    if isinstance(case, PrefillCase):
+        per_pair = 2 * (d.qk_head + d.v_head)
+        pairs = sum(s.q_len * s.context_len + s.q_len * (s.q_len + 1) / 2 if case.causal
+                    else s.q_len * s.kv_len for s in case.segments)
+    else:
+        per_pair = 2 * (d.latent + d.kv_lora_rank)
+        pairs = sum(r.q_len * r.kv_len for r in case.requests)
+    return pairs * case.num_heads * per_pair
+
+
+def input_bytes(inp: inputs.Inputs) -> int:
+    if isinstance(inp, inputs.PrefillInputs):
+        ts = [inp.q.stored, inp.k.stored, inp.v.stored]
+    else:
+        ts = [inp.q.stored, inp.pool.data]
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def measure(case: PrefillCase | DecodeCase, device: str, precision: str) -> dict:
+    t = time.perf_counter()
+    inp = inputs.build(case, device)
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t
+    # drop the unquantised copies the judge would use: the golden "exact" does not read them
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    golden.reference(inp, "exact", precision)  # warm-up (allocator, kernels)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    golden.reference(inp, "exact", precision)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    peak = torch.cuda.max_memory_allocated() - before
+    flops = attention_flops(case)
+    return {"case": case.slug, "precision": precision, "inputs_build_s": round(build_s, 2),
+            "golden_s": round(dt, 4), "tflops": round(flops / dt / 1e12, 2),
+            "input_gib": round(input_bytes(inp) / 2**30, 3),
+            "peak_extra_gib": round(peak / 2**30, 3),
+            "peak_extra_over_inputs": round(peak / input_bytes(inp), 3)}
+
+
+def phases(results: str) -> dict:
+    tot: dict[str, float] = {}
+    n = 0
+    for line in open(results):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        n += 1
+        for k, v in (rec.get("timings") or {}).items():
+            tot[k] = tot.get(k, 0.0) + float(v)
+        tot["wall"] = tot.get("wall", 0.0) + float(rec.get("wall", 0.0))
+    return {"cases": n, **{k: round(v, 1) for k, v in tot.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--results", action="append", default=[])
+    p.add_argument("--json", default=None)
+    p.add_argument("--decode-batch", type=int, default=64)
+    p.add_argument("--decode-context", type=int, default=128 * 1024)
+    a = p.parse_args(argv)
+    out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    out["fp32_matmul_tflops"] = round(matmul_tflops(torch.float32, a.device), 1)
+    out["fp64_matmul_tflops"] = round(matmul_tflops(torch.float64, a.device), 1)
+    print(json.dumps(out), flush=True)
+    cases = [
+        PrefillCase(segments=(Segment(16384),), num_heads=128),
+        DecodeCase(requests=tuple(Request(1, a.decode_context) for _ in range(a.decode_batch)),
+                   num_heads=128, page_size=64),
+    ]
+    out["golden"] = []
+    for c in cases:
+        for prec in ("fp32", "fp64"):
+            r = measure(c, a.device, prec)
+            ref = out[f"{prec}_matmul_tflops"]
+            r["fraction_of_matmul"] = round(r["tflops"] / ref, 3)
+            out["golden"].append(r)
+            print(json.dumps(r), flush=True)
+            torch.cuda.empty_cache()
+    out["phases"] = {f: phases(f) for f in a.results}
+    print(json.dumps(out["phases"]), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,973 @@
+"""`aiter-triton`: AMD AITER's own Triton MLA kernels, wherever Triton runs.
+
+On ROCm they run as shipped; on NVIDIA (and on Triton's CPU interpreter) through the small,
+explicit compatibility layer in `aiter_triton_compat` (launch configs, FP8 dtype selection),
+which touches no AITER file. Entry points, all called BY KEYWORD after an `inspect.signature`
+check of the installed function:
+
+| op | AITER entry point (module `aiter.ops.triton.attention.<module>`) |
+|---|---|
+| mla_decode | `mla.mla_decode_fwd` (paged 576-wide latent cache, vLLM block table) |
+| mla_prefill | `mha_v3.flash_attn_varlen_func` (MHA form; FP8 = FP8 q/k/v + descales) |
+| mla_sparse_decode | `unified_attention_sparse_mla.unified_attention_sparse_mla` |
+| mla_decode (`aiter-triton-rope`) | `mla_decode_rope.decode_attention_fwd_grouped_rope` |
+
+LSE: none of these entry points returns one. mla_decode: a second launch with
+`skip_reduce=True` returns AITER's per-segment base-2 statistics (max, expsum), merged here
+exactly as AITER's reduce kernel merges them, then converted to natural log. mla_prefill: a
+second launch of the same forward through `flash_attn_3.fwd` (`interface_v3.fwd`, which
+`flash_attn_varlen_func` wraps) returns its LSE (natural log, [H, T] -> [T, H]). Grouped-rope
+decode: the per-split natural-log LSE in `attn_logits[..., 512]`, merged over the splits the
+stage-2 kernel uses. Sparse: no LSE (None; the judge says so).
+
+Importing this module never imports triton or aiter. Smoke check (no pytest needed):
+`python -m mlacheck.backends.aiter_triton --device cuda` (see `main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from mlacheck.backends import aiter_triton_compat as compat
+from mlacheck.backends.base import Capability, Output, Range
+from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
+from mlacheck.kvcache import PageTable
+from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
+
+# --------------------------------------------------------------------------- AITER modules
+
+MOD_MLA = "aiter.ops.triton.attention.mla"
+MOD_MHA_V3 = "aiter.ops.triton.attention.mha_v3"
+MOD_FA3 = "aiter.ops.triton._triton_kernels.flash_attn_triton_amd.interface_v3"
+MOD_FWD_PREFILL = "aiter.ops.triton._triton_kernels.flash_attn_triton_amd.fwd_prefill"
+MOD_SPARSE = "aiter.ops.triton.attention.unified_attention_sparse_mla"
+MOD_ROPE = "aiter.ops.triton.attention.mla_decode_rope"
+MOD_TYPES = "aiter.ops.triton.utils.types"
+
+# Files (relative to the aiter package) each op needs: checked before anything is imported.
+OP_FILES: dict[str, tuple[str, ...]] = {
+    "mla_decode": ("ops/triton/attention/mla.py",),
+    "mla_prefill": ("ops/triton/attention/mha_v3.py",
+                    "ops/triton/_triton_kernels/flash_attn_triton_amd/interface_v3.py"),
+    "mla_sparse_decode": ("ops/triton/attention/unified_attention_sparse_mla.py",),
+    "mla_decode_rope": ("ops/triton/attention/mla_decode_rope.py",),
+}
+
+# The keyword parameters passed to each installed entry point (checked with inspect.signature:
+# every one must exist, and every parameter without a default must be among them).
+CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "mla.mla_decode_fwd": (
+        "q", "kv_buffer", "out", "cu_seqlens_q", "seqused_k", "max_seqlen_kv", "block_tables",
+        "softmax_scale", "kv_lora_rank", "qk_rope_head_dim", "causal", "q_descale",
+        "kv_descale", "skip_reduce",
+    ),
+    "mha_v3.flash_attn_varlen_func": (
+        "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+        "softmax_scale", "causal", "q_descale", "k_descale", "v_descale",
+    ),
+    "interface_v3.fwd": (
+        "q", "k", "v", "k_new", "v_new", "qv", "out", "cu_seqlens_q", "cu_seqlens_k",
+        "cu_seqlens_k_new", "seqused_q", "seqused_k", "max_seqlen_q", "max_seqlen_k",
+        "page_table", "kv_batch_idx", "leftpad_k", "rotary_cos", "rotary_sin", "seqlens_rotary",
+        "q_descale", "k_descale", "v_descale", "softmax_scale", "causal", "window_size_left",
+        "window_size_right", "attention_chunk", "softcap", "rotary_interleaved",
+    ),
+    "unified_attention_sparse_mla.unified_attention_sparse_mla": (
+        "q", "kv", "out", "cu_seqlens_q", "max_seqlen_q", "seqused_k", "max_seqlen_k",
+        "softmax_scale", "topk_indices", "block_table", "kv_lora_rank",
+    ),
+    "mla_decode_rope.decode_attention_fwd_grouped_rope": (
+        "q", "k_buffer", "v_buffer", "o", "kv_indptr", "kv_indices", "k_pe_tokens",
+        "kv_lora_rank", "rotary_dim", "cos_sin_cache", "positions", "attn_logits",
+        "num_kv_splits", "sm_scale", "logit_cap", "use_rope", "is_neox_style", "config",
+    ),
+}
+
+# Environment knob: heads per mla_decode_fwd launch when the KV cache is FP8, off ROCm.
+FP8_HEADS_ENV = "MLACHECK_AITER_TRITON_FP8_HEADS"
+# AITER picks BLOCK_M = min(next_pow2(heads), 128) for an FP8 KV cache; at 128 the decode
+# kernel needs 256 KB of shared memory and an H100 has 227 KB (OutOfResources). Launching at
+# most 64 heads at a time gives BLOCK_M = 64. Heads are independent: numerics are unchanged.
+DEFAULT_FP8_HEADS_PER_LAUNCH = 64
+# Splits for the grouped-rope decode (AITER's tests use 2..32).
+ROPE_KV_SPLITS = 8
+ROPE_CONFIG_NON_AMD: dict[str, dict[str, Any]] = {
+    # AITER's gfx950 defaults minus the AMD-only keys; num_stages 1 (no AMD LDS tuning).
+    "fwd_grouped_kernel_stage1_rope": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 8,
+                                       "num_stages": 1},
+    "fwd_kernel_stage2": {"num_stages": 2, "num_warps": 4},
+}
+
+# What Triton's interpreter can execute: its tl.dot multiplies the raw bits of bfloat16
+# operands (triton-lang/triton#11584), and fp8 is not modelled here.
+INTERPRETER_FORMATS = ("fp32", "fp16")
+GPU_FORMATS = ("bf16", "fp16")
+FP8_FORMAT_OF_DTYPE = {torch.float8_e4m3fn: "fp8_e4m3fn", torch.float8_e4m3fnuz: "fp8_e4m3fnuz"}
+POW2_PAGES_FROM_16 = tuple(2**i for i in range(4, 11))  # 16..1024: tl.dot needs a tile >= 16
+# Off ROCm (sm_90, from `--compile-only`): the page is the kernels' KV tile, and at 256 the
+# decode and sparse kernels need more than an H100's 227 KB of shared memory; an FP8 x FP8
+# tl.dot needs K >= 32, and K is the page size in mla_decode_fwd's P x V product.
+NVIDIA_PAGES = (16, 32, 64, 128)
+NVIDIA_FP8_Q_MIN_PAGE = 32
+H100_MAX_SHARED_BYTES = 232448  # per block, opt-in maximum (227 KB)
+H100_SMS = 132
+
+
+# --------------------------------------------------------------------------- capability
+
+
+@dataclass(frozen=True)
+class TritonCapability(Capability):
+    """Capability plus the rules the base fields cannot say."""
+
+    format_pairs: Collection[tuple[str, str]] | None = None
+    heads_multiple_of: int = 1
+    uniform_q_len: bool = False
+    sparse_rows_nonempty: bool = False
+    fp8_q_min_page: int = 0
+    refusal: str | None = None
+
+    def why_not(self, case: Case, device: str) -> str | None:
+        if self.refusal:
+            return self.refusal
+        why = super().why_not(case, device)
+        if why:
+            return why
+        q = case.quant
+        if self.format_pairs is not None and (q.q, q.kv) not in self.format_pairs:
+            pairs = ", ".join(f"{a}/{b}" for a, b in sorted(self.format_pairs))
+            return f"q/kv formats {q.q}/{q.kv} not in {{{pairs}}}"
+        if self.heads_multiple_of > 1 and case.num_heads % self.heads_multiple_of:
+            return f"{case.num_heads} heads not a multiple of {self.heads_multiple_of}"
+        if (self.uniform_q_len and isinstance(case, DecodeCase | SparseDecodeCase)
+                and len({r.q_len for r in case.requests}) > 1):
+            return "mixed q_len in one batch (the kernel assumes one num_tokens_per_seq)"
+        if (self.fp8_q_min_page and _is_fp8(q.q) and isinstance(case, DecodeCase)
+                and case.page_size < self.fp8_q_min_page):
+            return (f"page size {case.page_size} with FP8 q: the FP8 tl.dot over the page "
+                    f"needs K >= {self.fp8_q_min_page} on this target")
+        if (self.sparse_rows_nonempty and isinstance(case, SparseDecodeCase)
+                and case.valid_cap == 0):
+            return ("rows with no valid top-k index (AITER: output NaN when all topk indices "
+                    "are -1)")
+        return None
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def signature_problem(name: str, fn: Callable[..., Any], passed: Collection[str]) -> str | None:
+    """None when `fn` accepts exactly what we pass (by keyword), else a one-line reason."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError) as e:
+        return f"cannot inspect {name}: {e}"
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        unknown: list[str] = []
+    else:
+        unknown = [p for p in passed if p not in params]
+    required = [n for n, p in params.items()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                and n not in passed]
+    if unknown:
+        return f"installed {name} has no parameter(s) {', '.join(unknown)} (API changed)"
+    if required:
+        return f"installed {name} requires parameter(s) {', '.join(required)} (API changed)"
+    return None
+
+
+def topk_to_global_slots(topk: torch.Tensor, qo_indptr: torch.Tensor,
+                         table: PageTable) -> torch.Tensor:
+    """Logical top-k positions -> global KV-cache slots `page * page_size + offset`.
+
+    topk [T, K] holds, per query token, positions in that token's request (-1 = none);
+    AITER's sparse kernel wants global slots of the pool (it does not consult the block
+    table). -1 stays -1. Returns int32 on topk's device.
+    """
+    dev = topk.device
+    idx = topk.detach().long().cpu()
+    q_lens = (qo_indptr[1:] - qo_indptr[:-1]).long().cpu()
+    if int(q_lens.sum()) != idx.shape[0]:
+        raise ValueError(f"topk has {idx.shape[0]} rows for {int(q_lens.sum())} query tokens")
+    req = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]
+    valid = idx >= 0
+    kv_lens = table.kv_lens[req]  # [T]
+    if bool((valid & (idx >= kv_lens[:, None])).any()):
+        raise ValueError("a top-k position is past its request's kv_len")
+    ps = table.page_size
+    block_table, _ = table.to_vllm(pad_value=0)
+    safe = idx.clamp(min=0)
+    pages = block_table.long()[req[:, None], safe // ps]
+    slots = pages * ps + safe % ps
+    if slots.numel() and int(slots.max()) >= 2**31:
+        raise ValueError("global slot ids do not fit int32")
+    return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32).to(dev)
+
+
+def lse_from_segments(segm_max: torch.Tensor, segm_expsum: torch.Tensor,
+                      seq_lens_per_token: torch.Tensor, tile: int) -> torch.Tensor:
+    """Natural-log LSE [T, H] from mla_decode_fwd's per-segment base-2 statistics.
+
+    segm_max / segm_expsum [T, H, S] (running max of `logit * log2(e)` and the sum of
+    `2^(logit*log2e - max)` per segment). Segments past a sequence's active count were never
+    written: the mask is AITER's reduce kernel's (`tiles_per_segment = cdiv(L, S*tile)`,
+    `active = cdiv(L, tiles_per_segment*tile)`).
+    """
+    t, h, s = segm_max.shape
+    seq = seq_lens_per_token.to(segm_max.device).long()
+    tiles_per_seg = (seq + s * tile - 1) // (s * tile)
+    active = (seq + tiles_per_seg * tile - 1) // (tiles_per_seg * tile)
+    mask = (torch.arange(s, device=segm_max.device)[None, :] < active[:, None])[:, None, :]
+    neg = torch.full(segm_max.shape, float("-inf"), device=segm_max.device)
+    m = torch.where(mask, segm_max.float(), neg)
+    top = m.amax(-1, keepdim=True)
+    top_safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = torch.where(mask, segm_expsum.float() * torch.exp2(m - top_safe), torch.zeros_like(m))
+    total = w.sum(-1)
+    lse2 = top.squeeze(-1) + torch.log2(total)
+    lse2 = torch.where(torch.isfinite(top.squeeze(-1)) & (total > 0), lse2,
+                       torch.full_like(lse2, float("-inf")))
+    return lse2 * math.log(2.0)
+
+
+def lse_from_splits(split_lse: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
+    """LSE [B, H] from the grouped-rope decode's per-split LSE [B, H, S] (natural log).
+
+    Splits are `ceil(L / S)` tokens each; a split with no tokens was not written (the
+    stage-2 kernel skips it, and so does this).
+    """
+    b, h, s = split_lse.shape
+    lens = kv_lens.to(split_lse.device).long()
+    per = (lens + s - 1) // s
+    start = per[:, None] * torch.arange(s, device=split_lse.device)[None, :]
+    end = torch.minimum(start + per[:, None], lens[:, None])
+    valid = (end > start)[:, None, :]
+    neg = torch.full(split_lse.shape, float("-inf"), device=split_lse.device)
+    x = torch.where(valid, split_lse.float(), neg)
+    return torch.logsumexp(x, dim=-1)
+
+
+def _is_fp8(fmt: str) -> bool:
+    return fmt.startswith("fp8")
+
+
+def _scale_1(t: torch.Tensor) -> torch.Tensor:
+    """A per-tensor dequantisation scale as the fp32 [1] tensor the kernels load."""
+    if t.numel() != 1:
+        raise ValueError(f"expected a per-tensor scale, got shape {tuple(t.shape)}")
+    return t.reshape(1).to(torch.float32).contiguous()
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass
+class Loaded:
+    """The imported AITER Triton modules (per op; a missing op has a problem instead)."""
+
+    version: str
+    modules: dict[str, ModuleType] = field(default_factory=dict)
+    problems: dict[str, str] = field(default_factory=dict)  # op -> reason
+    notes: list[str] = field(default_factory=list)
+
+
+def _aiter_dir() -> Path | None:
+    spec = importlib.util.find_spec("aiter")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _aiter_version() -> str:
+    for dist in ("amd-aiter", "amd_aiter"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def environment_problem() -> str | None:
+    """Backend-level reasons this machine cannot run the kernels (a SKIP reason) or None."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton not installed (pip install triton; ROCm: the ROCm Triton wheel)"
+    root = _aiter_dir()
+    if root is None:
+        return "aiter not installed (AMD AITER, Triton-only build: see docs/aiter-triton.md)"
+    if not (root / "ops" / "triton").is_dir():
+        return ("the installed 'aiter' has no Triton modules (aiter/ops/triton missing; "
+                "PyPI 'aiter' is an unrelated asyncio package, AMD's is 'amd-aiter')")
+    if not any((root / f).is_file() for files in OP_FILES.values() for f in files):
+        return "the installed aiter has no aiter/ops/triton/attention kernels (too old)"
+    if not compat.on_rocm() and os.environ.get("AITER_TRITON_ONLY", "0") != "1":
+        return "AITER_TRITON_ONLY=1 needed off ROCm (else `import aiter` loads HIP/CK ops)"
+    if not torch.cuda.is_available() and not compat.interpreting() and not _COMPILE_ONLY:
+        return "needs a GPU (or TRITON_INTERPRET=1)"
+    return None
+
+
+def _import_op(op: str, loaded: Loaded, names: Mapping[str, str]) -> None:
+    root = _aiter_dir()
+    assert root is not None
+    missing = [f for f in OP_FILES[op] if not (root / f).is_file()]
+    if missing:
+        loaded.problems[op] = f"installed aiter {loaded.version} lacks aiter/{missing[0]}"
+        return
+    try:
+        for key, mod in names.items():
+            loaded.modules[key] = importlib.import_module(mod)
+    except Exception as e:  # an AITER import failure is this op's SKIP reason
+        first = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        loaded.problems[op] = f"importing AITER's {op} modules failed: {first}"
+
+
+_LOADED: Loaded | None = None
+# Set by `--compile-only` (this process compiles for sm_90 and never launches a kernel).
+_COMPILE_ONLY = False
+
+
+def no_gpu_num_sms() -> int | None:
+    """The SM count AITER's heuristics get where there is no GPU to ask, else None."""
+    if _COMPILE_ONLY:
+        return H100_SMS
+    if compat.interpreting() and not torch.cuda.is_available():
+        return compat.INTERPRETER_NUM_SMS
+    return None
+
+
+def load() -> Loaded | str:
+    """Import what is available (once per process); a string is a backend-level reason."""
+    global _LOADED
+    if _LOADED is not None:
+        return _LOADED
+    why = environment_problem()
+    if why:
+        return why
+    loaded = Loaded(_aiter_version())
+    stub = compat.ensure_interpreter_target()
+    if stub:
+        loaded.notes.append(stub)
+    _import_op("mla_decode", loaded, {"mla": MOD_MLA})
+    _import_op("mla_prefill", loaded, {"mha_v3": MOD_MHA_V3, "fa3": MOD_FA3,
+                                       "fwd_prefill": MOD_FWD_PREFILL})
+    _import_op("mla_sparse_decode", loaded, {"sparse": MOD_SPARSE})
+    _import_op("mla_decode_rope", loaded, {"rope": MOD_ROPE})
+    try:
+        loaded.modules["types"] = importlib.import_module(MOD_TYPES)
+    except Exception as e:  # only needed for AITER's own FP8 choice on ROCm
+        loaded.notes.append(f"{MOD_TYPES} not importable: {type(e).__name__}")
+    entries = {
+        "mla_decode": ("mla", "mla_decode_fwd", "mla.mla_decode_fwd"),
+        "mla_prefill": ("mha_v3", "flash_attn_varlen_func", "mha_v3.flash_attn_varlen_func"),
+        "mla_sparse_decode": ("sparse", "unified_attention_sparse_mla",
+                              "unified_attention_sparse_mla.unified_attention_sparse_mla"),
+        "mla_decode_rope": ("rope", "decode_attention_fwd_grouped_rope",
+                            "mla_decode_rope.decode_attention_fwd_grouped_rope"),
+    }
+    for op, (mod, attr, key) in entries.items():
+        if op in loaded.problems:
+            continue
+        fn = getattr(loaded.modules[mod], attr, None)
+        if fn is None:
+            loaded.problems[op] = f"installed aiter {loaded.version} has no {key}"
+            continue
+        why = signature_problem(key, fn, CALLED_PARAMETERS[key])
+        if why:
+            loaded.problems[op] = why
+    if "mla_prefill" not in loaded.problems:
+        why = signature_problem("interface_v3.fwd", loaded.modules["fa3"].fwd,
+                                CALLED_PARAMETERS["interface_v3.fwd"])
+        if why:
+            loaded.problems["mla_prefill"] = why
+    _LOADED = loaded
+    return loaded
+
+
+# --------------------------------------------------------------------------- the backend
+
+
+class AiterTritonBackend:
+    """AITER's Triton MLA kernels (see module docstring)."""
+
+    def __init__(self, name: str = "aiter-triton", decode_entry: str = "mla_decode_fwd",
+                 decode_lse: bool = True, compat_layer: bool = True) -> None:
+        """compat_layer=False calls AITER exactly as shipped (off ROCm: to show what fails)."""
+        if decode_entry not in ("mla_decode_fwd", "grouped_rope"):
+            raise ValueError(f"unknown decode entry {decode_entry!r}")
+        self.name = name
+        self.decode_entry = decode_entry
+        self.decode_lse = decode_lse
+        self.compat_layer = compat_layer
+
+    # -- contract
+    def unavailable(self) -> str | None:
+        got = load()
+        if isinstance(got, str):
+            return got
+        ops = self._ops()
+        if all(op in got.problems for op in ops.values()):
+            return "; ".join(got.problems[op] for op in ops.values())
+        return None
+
+    def capabilities(self) -> dict[str, Capability]:
+        got = load()
+        ops = self._ops()
+        if isinstance(got, str):
+            return {op: TritonCapability(refusal=got) for op in ops}
+        amd, interp = compat.on_rocm(), compat.interpreting()
+        devices: tuple[str, ...] = ("cuda",) if torch.cuda.is_available() or _COMPILE_ONLY else ()
+        if interp:
+            devices += ("cpu",)
+        base = INTERPRETER_FORMATS if interp else GPU_FORMATS
+        fp8: tuple[str, ...] = () if interp else (self._fp8_format(got),)
+        same = {(f, f) for f in base + fp8}
+        caps: dict[str, Capability] = {}
+        problems = got.problems
+        fp8_note = ("" if amd else " FP8 off ROCm: float8_e4m3fn; an FP8 KV cache is decoded "
+                    f"at most {self._fp8_heads()} heads per launch (shared memory).")
+        pages = POW2_PAGES_FROM_16 if amd else NVIDIA_PAGES
+        fp8_min_page = 0 if amd or interp else NVIDIA_FP8_Q_MIN_PAGE
+        if "mla_decode" in ops and self.decode_entry == "mla_decode_fwd":
+            pairs = same | ({("bf16", fp8[0])} if fp8 else set())
+            caps["mla_decode"] = TritonCapability(
+                q_formats=base + fp8, kv_formats=base + fp8, format_pairs=frozenset(pairs),
+                scale_policies=("unit", "amax"), page_sizes=pages, fp8_q_min_page=fp8_min_page,
+                head_counts=Range(1, 128), q_len=Range(1, None), uniform_q_len=True,
+                causal=(True,), devices=devices, refusal=problems.get("mla_decode"),
+                notes="mla_decode_fwd (vLLM block table); page size = tile (tl.dot needs >= 16); "
+                      "uniform q_len (MTP); causal bottom-right; LSE from a skip_reduce launch."
+                      + fp8_note)
+        if "mla_decode" in ops and self.decode_entry == "grouped_rope":
+            caps["mla_decode"] = TritonCapability(
+                q_formats=base, kv_formats=base, format_pairs=frozenset({(f, f) for f in base}),
+                page_sizes=None, head_counts=Range(1, 128), q_len=Range(1, 1), causal=(True,),
+                devices=devices, refusal=problems.get("mla_decode_rope"),
+                notes="decode_attention_fwd_grouped_rope on token slots (any page size), "
+                      f"q_len 1, no FP8 scales, {ROPE_KV_SPLITS} kv splits, LSE from the splits")
+        if "mla_prefill" in ops:
+            caps["mla_prefill"] = TritonCapability(
+                q_formats=base + fp8, kv_formats=base + fp8, format_pairs=frozenset(same),
+                scale_policies=("unit", "amax"), causal=(True, False), lse=True, soft_cap=False,
+                devices=("cuda",) if torch.cuda.is_available() or _COMPILE_ONLY else (),
+                refusal=problems.get("mla_prefill"),
+                notes="mha_v3.flash_attn_varlen_func, ragged cu_seqlens, causal bottom-right "
+                      "(seqlen_k - seqlen_q offset); FP8 = FP8 q/k/v with per-tensor descales "
+                      "expanded to [B, H]; LSE from a second launch of interface_v3.fwd; "
+                      "GPU only (AITER asserts q.is_cuda)." + fp8_note.split(";")[0])
+        if "mla_sparse_decode" in ops:
+            caps["mla_sparse_decode"] = TritonCapability(
+                q_formats=base, kv_formats=base, format_pairs=frozenset({(f, f) for f in base}),
+                page_sizes=pages, head_counts=Range(16, 128), heads_multiple_of=16, lse=False,
+                q_len=Range(1, None), causal=(True,), sparse_rows_nonempty=True,
+                devices=devices, refusal=problems.get("mla_sparse_decode"),
+                notes="unified_attention_sparse_mla; topk = global slots (page*ps+offset) "
+                      "converted from logical positions; heads multiple of 16 (BLOCK_M 16); "
+                      "page size = tile (>= 16); no FP8 scales; no LSE.")
+        return caps
+
+    def run(self, case: Case, inputs: Inputs) -> Output:
+        got = load()
+        if isinstance(got, str):
+            raise RuntimeError(got)
+        with torch.no_grad():
+            if isinstance(inputs, PrefillInputs):
+                return self._prefill(got, inputs)
+            assert isinstance(inputs, DecodeInputs)
+            if isinstance(case, SparseDecodeCase):
+                return self._sparse(got, inputs)
+            if self.decode_entry == "grouped_rope":
+                return self._decode_rope(got, inputs)
+            return self._decode(got, inputs)
+
+    # -- helpers
+    def _ops(self) -> dict[str, str]:
+        """mlacheck op -> loading key."""
+        if self.decode_entry == "grouped_rope":
+            return {"mla_decode": "mla_decode_rope"}
+        return {"mla_decode": "mla_decode", "mla_prefill": "mla_prefill",
+                "mla_sparse_decode": "mla_sparse_decode"}
+
+    @staticmethod
+    def _fp8_format(got: Loaded) -> str:
+        types_mod = got.modules.get("types")
+        sel = getattr(types_mod, "get_fp8_e4m3_dtype", None) if types_mod else None
+        return FP8_FORMAT_OF_DTYPE[compat.fp8_e4m3_dtype(sel)]
+
+    @staticmethod
+    def _fp8_heads() -> int:
+        value = os.environ.get(FP8_HEADS_ENV, "").strip()
+        return int(value) if value else DEFAULT_FP8_HEADS_PER_LAUNCH
+
+    @staticmethod
+    def _require(got: Loaded, op: str) -> None:
+        if op in got.problems:
+            raise RuntimeError(got.problems[op])
+
+    # -- mla_decode: mla_decode_fwd
+    def _decode(self, got: Loaded, inp: DecodeInputs) -> Output:
+        self._require(got, "mla_decode")
+        case = inp.case
+        mla = got.modules["mla"]
+        dev = inp.device
+        q = inp.q.stored
+        table = inp.table
+        block_table, seq_lens = table.to_vllm(pad_value=0)
+        block_table, seq_lens = block_table.to(dev), seq_lens.to(dev)
+        out = inp.out.out
+        kw: dict[str, Any] = dict(
+            kv_buffer=inp.pool.data, cu_seqlens_q=inp.qo_indptr.to(torch.int32),
+            seqused_k=seq_lens, max_seqlen_kv=int(table.kv_lens.max()), block_tables=block_table,
+            softmax_scale=case.softmax_scale, kv_lora_rank=case.dims.kv_lora_rank,
+            qk_rope_head_dim=case.dims.qk_rope, causal=True,
+            q_descale=_scale_1(inp.q.scale) if _is_fp8(case.quant.q) else None,
+            kv_descale=_scale_1(inp.pool.scale) if _is_fp8(case.quant.kv) else None,
+        )
+        amd = compat.on_rocm() or not self.compat_layer
+        h = case.num_heads
+        step = h if amd or not _is_fp8(case.quant.kv) else max(1, self._fp8_heads())
+        patches = compat.mla_decode_patches(mla, amd=amd, num_sms=no_gpu_num_sms())
+        lse_parts: list[torch.Tensor] | None = [] if self.decode_lse else None
+        q_lens = (inp.qo_indptr[1:] - inp.qo_indptr[:-1]).long().cpu()
+        tok_seq = torch.repeat_interleave(table.kv_lens, q_lens)
+        with patches:
+            for h0 in range(0, h, step):
+                sl = slice(h0, min(h, h0 + step))
+                mla.mla_decode_fwd(q=q[:, sl], out=out[:, sl], **kw)
+                if lse_parts is None:
+                    continue
+                res = mla.mla_decode_fwd(q=q[:, sl], out=torch.empty_like(out[:, sl]),
+                                         skip_reduce=True, **kw)
+                if not isinstance(res, tuple):  # one segment (gfx1250 path): no statistics
+                    lse_parts = None
+                    continue
+                _, segm_max, segm_sum = res
+                lse_parts.append(lse_from_segments(segm_max, segm_sum, tok_seq, table.page_size))
+        lse = torch.cat(lse_parts, dim=1) if lse_parts else None
+        meta = {"aiter_version": got.version, "patches": patches.describe(),
+                "heads_per_launch": step}
+        return Output(out, lse, metadata=meta, wrote_into_guarded=True)
+
+    # -- mla_decode: decode_attention_fwd_grouped_rope
+    def _decode_rope(self, got: Loaded, inp: DecodeInputs) -> Output:
+        self._require(got, "mla_decode_rope")
+        case = inp.case
+        rope = got.modules["rope"]
+        dev = inp.device
+        table = inp.table
+        if case.max_q_len != 1:
+            raise ValueError("grouped-rope decode takes one query token per request")
+        rank = case.dims.kv_lora_rank
+        pool = inp.pool.data
+        tokens = pool.view(pool.shape[0] * pool.shape[1], pool.shape[2], pool.shape[3])
+        slots = torch.cat([table.slots_of(r) for r in range(table.batch)]).to(torch.int32)
+        kv_indptr = torch.zeros(table.batch + 1, dtype=torch.int32)
+        kv_indptr[1:] = torch.cumsum(table.kv_lens, 0).to(torch.int32)
+        b, h = inp.q.stored.shape[:2]
+        logits = torch.empty(b, h, ROPE_KV_SPLITS, rank + 1, dtype=torch.float32, device=dev)
+        amd = compat.on_rocm() or not self.compat_layer
+        config = None
+        if not amd:
+            config = {
+                "fwd_grouped_kernel_stage1_rope": compat.launch_config(
+                    rope._fwd_grouped_kernel_stage1_rope,
+                    ROPE_CONFIG_NON_AMD["fwd_grouped_kernel_stage1_rope"], amd=False),
+                "fwd_kernel_stage2": compat.launch_config(
+                    rope._fwd_kernel_stage2, ROPE_CONFIG_NON_AMD["fwd_kernel_stage2"], amd=False),
+            }
+        out = inp.out.out
+        rope.decode_attention_fwd_grouped_rope(
+            q=inp.q.stored, k_buffer=tokens, v_buffer=tokens[..., :rank], o=out,
+            kv_indptr=kv_indptr.to(dev), kv_indices=slots.to(dev), k_pe_tokens=None,
+            kv_lora_rank=rank, rotary_dim=None, cos_sin_cache=None, positions=None,
+            attn_logits=logits, num_kv_splits=ROPE_KV_SPLITS, sm_scale=case.softmax_scale,
+            logit_cap=0.0, use_rope=False, is_neox_style=False, config=config,
+        )
+        lse = lse_from_splits(logits[..., rank], table.kv_lens)
+        meta = {"aiter_version": got.version, "config": config or "AITER's JSON (ROCm)"}
+        return Output(out, lse, metadata=meta, wrote_into_guarded=True)
+
+    # -- mla_sparse_decode
+    def _sparse(self, got: Loaded, inp: DecodeInputs) -> Output:
+        self._require(got, "mla_sparse_decode")
+        case = inp.case
+        assert isinstance(case, SparseDecodeCase) and inp.topk_indices is not None
+        sparse = got.modules["sparse"]
+        dev = inp.device
+        table = inp.table
+        block_table, seq_lens = table.to_vllm(pad_value=0)
+        slots = topk_to_global_slots(inp.topk_indices, inp.qo_indptr, table)
+        out = inp.out.out
+        sparse.unified_attention_sparse_mla(
+            q=inp.q.stored, kv=inp.pool.data, out=out, cu_seqlens_q=inp.qo_indptr.to(torch.int32),
+            max_seqlen_q=case.max_q_len, seqused_k=seq_lens.to(dev),
+            max_seqlen_k=int(table.kv_lens.max()), softmax_scale=case.softmax_scale,
+            topk_indices=slots.contiguous(), block_table=block_table.to(dev),
+            kv_lora_rank=case.dims.kv_lora_rank,
+        )
+        return Output(out, None, metadata={"aiter_version": got.version},
+                      wrote_into_guarded=True)
+
+    # -- mla_prefill
+    def _prefill(self, got: Loaded, inp: PrefillInputs) -> Output:
+        self._require(got, "mla_prefill")
+        case = inp.case
+        if case.paging is not None:
+            raise ValueError("aiter-triton provides mla_prefill only (no paged_prefill)")
+        mha_v3, fa3 = got.modules["mha_v3"], got.modules["fa3"]
+        amd = compat.on_rocm() or not self.compat_layer
+        patches = compat.mha_prefill_patches(got.modules["fwd_prefill"], mha_v3, amd=amd)
+        q, k, v = inp.q.stored, inp.k.stored, inp.v.stored
+        if _COMPILE_ONLY:
+            q = q.as_subclass(_CudaLookingTensor)
+        nseg, h = len(case.segments), case.num_heads
+        descales: dict[str, torch.Tensor | None] = {"q_descale": None, "k_descale": None,
+                                                    "v_descale": None}
+        if _is_fp8(case.quant.q):
+            for key, t in (("q_descale", inp.q), ("k_descale", inp.k), ("v_descale", inp.v)):
+                descales[key] = _scale_1(t.scale).reshape(1, 1).expand(nseg, h).contiguous()
+        common: dict[str, Any] = dict(
+            q=q, k=k, v=v, cu_seqlens_q=inp.cu_seqlens_q.to(torch.int32),
+            cu_seqlens_k=inp.cu_seqlens_k.to(torch.int32),
+            max_seqlen_q=max(s.q_len for s in case.segments),
+            max_seqlen_k=max(s.kv_len for s in case.segments),
+            softmax_scale=case.softmax_scale, causal=case.causal, **descales,
+        )
+        with patches:
+            res = mha_v3.flash_attn_varlen_func(**common)
+            lse = None
+            if case.return_lse:
+                none = dict.fromkeys(("k_new", "v_new", "qv", "out", "cu_seqlens_k_new",
+                                      "seqused_q", "seqused_k", "page_table", "kv_batch_idx",
+                                      "leftpad_k", "rotary_cos", "rotary_sin",
+                                      "seqlens_rotary"))
+                _, lse_ht, *_ = fa3.fwd(**common, **none, window_size_left=-1,
+                                        window_size_right=-1, attention_chunk=0, softcap=0.0,
+                                        rotary_interleaved=False)
+                lse = lse_ht.transpose(0, 1).contiguous()  # [H, T] -> [T, H]
+        out = res[0] if isinstance(res, tuple) else res
+        inp.out.out.copy_(out.to(inp.out.out.dtype))
+        meta = {"aiter_version": got.version, "patches": patches.describe(),
+                "kernel_out_dtype": str(out.dtype)}
+        return Output(inp.out.out, lse, metadata=meta, wrote_into_guarded=False)
+
+
+def factory() -> AiterTritonBackend:
+    return AiterTritonBackend()
+
+
+def grouped_rope_factory() -> AiterTritonBackend:
+    """`aiter-triton-rope`: mla_decode through decode_attention_fwd_grouped_rope (q_len 1)."""
+    return AiterTritonBackend(name="aiter-triton-rope", decode_entry="grouped_rope")
+
+
+
+# --------------------------------------------------------------------------- compile-only
+
+
+class _WarmupProxy:
+    """Stands in for one AITER kernel object: `kernel[grid](...)` compiles (Triton's
+    `warmup`) instead of launching, and records the kernel's static shared memory."""
+
+    _OWN = ("kernel", "name", "sink", "context")
+
+    def __init__(self, kernel: Any, name: str, sink: list[dict[str, Any]],
+                 context: dict[str, str]) -> None:
+        self.kernel, self.name, self.sink, self.context = kernel, name, sink, context
+
+    def __getattr__(self, attr: str) -> Any:  # arg_names, configs: the compat layer uses them
+        return getattr(self.kernel, attr)
+
+    def __setattr__(self, attr: str, value: Any) -> None:  # e.g. an Autotuner's `configs`
+        if attr in self._OWN:
+            object.__setattr__(self, attr, value)
+        else:
+            setattr(self.kernel, attr, value)
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        def compile_only(*args: Any, **kwargs: Any) -> None:
+            keys = ("BLOCK_M", "TILE_SIZE", "BLOCK_N", "BLOCK_H", "num_warps", "num_stages")
+            rec: dict[str, Any] = {"case": self.context.get("case", ""), "kernel": self.name,
+                                   **{k: kwargs[k] for k in keys if k in kwargs}}
+            try:
+                compiled = self.kernel.warmup(*args, grid=grid, **kwargs)
+                if isinstance(compiled, list):  # an Autotuner compiles each config
+                    compiled = compiled[-1]
+                    cfg = self.kernel.configs[-1]
+                    rec.update({k: v for k, v in cfg.kwargs.items() if k in keys},
+                               num_warps=cfg.num_warps)
+                rec["shared"] = int(compiled.metadata.shared)
+                rec["status"] = ("ok" if rec["shared"] <= H100_MAX_SHARED_BYTES
+                                 else f"over the {H100_MAX_SHARED_BYTES} B shared-memory limit")
+            except Exception as e:  # the compile error is the finding
+                lines = [x for x in str(e).splitlines() if x.strip()]
+                rec["status"] = f"{type(e).__name__}: {lines[-1] if lines else ''}"[:300]
+            self.sink.append(rec)
+
+        return compile_only
+
+
+class _CudaLookingTensor(torch.Tensor):
+    """Compile-only: a CPU tensor that passes AITER's prefill `q.is_cuda` check (nothing is
+    launched, so no kernel ever reads it)."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+COMPILED_KERNELS = (
+    ("fwd_prefill", "attn_fwd"),
+    ("mla", "triton_mla_decode_fwd_kernel"), ("mla", "triton_mla_decode_fwd_reduce_kernel"),
+    ("sparse", "_kernel_unified_attention_sparse_mla_2d"),
+    ("rope", "_fwd_grouped_kernel_stage1_rope"), ("rope", "_fwd_kernel_stage2"),
+)
+
+
+def compile_check(cases: list[tuple[str, Case, AiterTritonBackend]],
+                  force: bool = False) -> list[dict[str, Any]]:
+    """Compile (never launch) the kernels each case would launch, through the backend's own
+    code path, for the compile-only target; one record per kernel compile (or per refusal).
+
+    Needs `set_compile_only_target()` before AITER is imported (see `main`). The mha_v3
+    prefill wrapper asserts `q.is_cuda` and `q.device.index == torch.cuda.current_device()`:
+    q is passed as a `_CudaLookingTensor` and `torch.cuda.current_device` answers None.
+    """
+    from mlacheck import inputs as inputs_mod
+
+    got = load()
+    if isinstance(got, str):
+        raise RuntimeError(got)
+    sink: list[dict[str, Any]] = []
+    context: dict[str, str] = {}
+    proxies = compat.RuntimePatches()
+    for mod, attr in COMPILED_KERNELS:
+        module = got.modules.get(mod)
+        if module is not None and hasattr(module, attr):
+            proxies.add(module, attr, _WarmupProxy(getattr(module, attr), attr, sink, context),
+                        "compile-only: compile instead of launching")
+    proxies.add(torch.cuda, "current_device", lambda: None,
+                "compile-only: the CPU tensors' device index (None)")
+    with proxies:
+        for name, case, backend in cases:
+            context["case"] = name
+            cap = backend.capabilities().get(case.op)
+            why = cap.why_not(case, "cuda") if cap is not None else f"no op {case.op}"
+            if why and not force:
+                sink.append({"case": name, "kernel": "-", "status": f"refused: {why}"})
+                continue
+            before = len(sink)
+            try:
+                backend.run(case, inputs_mod.build(case, "cpu"))
+            except Exception as e:  # a wrapper-level failure before any compile
+                sink.append({"case": name, "kernel": "-",
+                             "status": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+            if why:
+                for rec in sink[before:]:
+                    rec["refused"] = why
+    return sink
+
+
+def compile_cases() -> list[tuple[str, Case]]:
+    """The GPU smoke cases plus the page-size / FP8 limits the capabilities encode."""
+    from mlacheck.spec import Placement, Quant, Request
+
+    bf, fp = Quant("bf16", "bf16"), Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax")
+    sent = Placement(tail_poison="sentinel")
+    extra: list[tuple[str, Case]] = [
+        ("decode bf16 h128 p128", DecodeCase((Request(1, 300),), 128, 128, bf, sent)),
+        ("decode bf16 h16 p256 (beyond capability)", DecodeCase((Request(1, 600),), 16, 256, bf)),
+        ("decode fp8 h16 p16 (beyond capability)", DecodeCase((Request(1, 150),), 16, 16, fp)),
+        ("decode fp8 h128 p128", DecodeCase((Request(1, 300),), 128, 128, fp, sent)),
+        ("sparse bf16 h16 p128", SparseDecodeCase((Request(1, 3000),), topk=2048, page_size=128)),
+    ]
+    from mlacheck.spec import Segment
+
+    extra.append(("prefill fp16 h128 2 segments", PrefillCase(
+        (Segment(48, 0), Segment(33, 17)), 128, True, Quant("fp16", "fp16"))))
+    return smoke_cases(False) + extra
+
+
+# --------------------------------------------------------------------------- smoke check
+
+
+def smoke_cases(interp: bool) -> list[tuple[str, Case]]:
+    """A few small cases per entry point (names say what each one shows)."""
+    from mlacheck.spec import Placement, Quant, Request, Segment
+
+    sentinel = Placement(tail_poison="sentinel")
+    if interp:  # what the CPU interpreter can run in seconds: fp32 / fp16, tiny
+        f32, f16 = Quant("fp32", "fp32"), Quant("fp16", "fp16")
+        return [
+            ("decode fp32 h16 p16 full pages", DecodeCase(
+                (Request(1, 32), Request(1, 48)), 16, 16, f32)),
+            ("decode fp16 h8 p16 sentinel tails", DecodeCase(
+                (Request(1, 40), Request(1, 21)), 8, 16, f16, sentinel)),
+            ("decode fp32 h16 p16 NaN tails", DecodeCase(
+                (Request(1, 40), Request(1, 21)), 16, 16, f32)),
+            ("decode MTP2 fp32 h16 p16", DecodeCase(
+                (Request(2, 32), Request(2, 47)), 16, 16, f32, sentinel)),
+            ("sparse fp32 h16 p16 topk 32", SparseDecodeCase(
+                (Request(1, 50), Request(2, 40)), topk=32, num_heads=16, page_size=16,
+                quant=f32)),
+        ]
+    bf, fp = Quant("bf16", "bf16"), Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax")
+    return [
+        ("decode bf16 h16 p64 full pages", DecodeCase(
+            (Request(1, 128), Request(1, 192)), 16, 64, bf)),
+        ("decode bf16 h16 p16 NaN tails", DecodeCase(
+            (Request(1, 150), Request(1, 33)), 16, 16, bf)),
+        ("decode bf16 h16 p16 sentinel tails", DecodeCase(
+            (Request(1, 150), Request(1, 33)), 16, 16, bf, sentinel)),
+        ("decode bf16 h128 p64 sentinel", DecodeCase(
+            (Request(1, 300), Request(1, 129)), 128, 64, bf, sentinel)),
+        ("decode MTP3 bf16 h16 p16 sentinel", DecodeCase(
+            (Request(3, 64), Request(3, 200)), 16, 16, bf, sentinel)),
+        ("decode fp8 h16 p32 sentinel", DecodeCase(
+            (Request(1, 150), Request(1, 33)), 16, 32, fp, sentinel)),
+        ("decode bf16-q fp8-kv h128 p16 sentinel", DecodeCase(
+            (Request(1, 300), Request(1, 129)), 128, 16, Quant("bf16", "fp8_e4m3fn", "amax"),
+            sentinel)),
+        ("decode fp8 h128 p64 sentinel", DecodeCase(
+            (Request(1, 300), Request(1, 129)), 128, 64, fp, sentinel)),
+        ("sparse bf16 h16 p64 topk2048", SparseDecodeCase(
+            (Request(1, 2047), Request(2, 2600)), topk=2048, num_heads=16, page_size=64)),
+        ("sparse bf16 h128 p64 topk2048", SparseDecodeCase(
+            (Request(1, 3000),), topk=2048, num_heads=128, page_size=64)),
+        ("prefill bf16 h16 2 segments", PrefillCase(
+            (Segment(48, 0), Segment(33, 17)), 16, True, bf)),
+        ("prefill bf16 h16 context non-causal", PrefillCase(
+            (Segment(40, 88),), 16, False, bf)),
+        ("prefill fp8 h16 2 segments", PrefillCase(
+            (Segment(48, 0), Segment(33, 17)), 16, True, fp)),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the smoke cases through mlacheck's harness; print one line per case."""
+    from mlacheck.harness import RunOptions, run_case
+
+    p = argparse.ArgumentParser(prog="python -m mlacheck.backends.aiter_triton",
+                                description="aiter-triton smoke check (no pytest needed)")
+    p.add_argument("--device", default="auto", help="cuda | cpu | auto")
+    p.add_argument("--only", default="", help="run cases whose name contains this text")
+    p.add_argument("--rope", action="store_true", help="also run aiter-triton-rope decode")
+    p.add_argument("--json", default=os.environ.get("OUT", ""),
+                   help="directory for results.jsonl (default: $OUT if set)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="no GPU needed: compile the decode/sparse kernels for CUDA sm_90 "
+                        "through the backend and report shared memory (nothing launches)")
+    p.add_argument("--as-shipped", action="store_true",
+                   help="with --compile-only: call AITER without the compatibility layer")
+    p.add_argument("--force", action="store_true",
+                   help="with --compile-only: also compile cases the capabilities refuse")
+    args = p.parse_args(argv)
+    if args.compile_only:
+        return _compile_main(args)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    backends = [factory()] + ([grouped_rope_factory()] if args.rope else [])
+    got = load()
+    info = {"torch": torch.__version__, "hip": torch.version.hip, "device": device,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "triton": _version("triton"), "aiter": _aiter_version(),
+            "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
+            "AITER_TRITON_ONLY": os.environ.get("AITER_TRITON_ONLY")}
+    print("aiter-triton smoke:", json.dumps(info), flush=True)
+    if isinstance(got, str):
+        print(f"SKIP all: {got}")
+        return 0
+    for note in got.notes:
+        print("note:", note)
+    for op, why in got.problems.items():
+        print(f"op {op} unavailable: {why}")
+    cases = [(n, c) for n, c in smoke_cases(compat.interpreting()) if args.only in n]
+    if args.rope:
+        cases += [("rope " + n, c) for n, c in cases if isinstance(c, DecodeCase)
+                  and c.max_q_len == 1 and not c.quant.is_fp8]
+    lines = []
+    counts: dict[str, int] = {}
+    for name, case in cases:
+        backend = backends[1] if name.startswith("rope ") else backends[0]
+        t0 = time.perf_counter()
+        v = run_case(case, backend, RunOptions(device=device, ideal=False))
+        wall = time.perf_counter() - t0
+        counts[v.status] = counts.get(v.status, 0) + 1
+        m = v.metrics
+        err = (f" | worst row {m['worst_row']:.3g} (bound {m['bound']:.3g}), max abs "
+               f"{m['max_abs']:.3g}" if "worst_row" in m else "")
+        print(f"{v.status:5s} {wall:6.1f}s {name:38s} {case.id}{err}", flush=True)
+        if v.status != "PASS":
+            print("      " + v.summary().replace("\n", "\n      ")[:2000], flush=True)
+            if "traceback" in m:
+                print("      " + str(m["traceback"]).replace("\n", "\n      ")[-3000:])
+        record = {k: x for k, x in v.to_dict().items() if k != "metrics"}
+        record["metrics"] = {k: x for k, x in m.items() if not k.startswith("heatmap")}
+        lines.append(json.dumps({"name": name, "wall": wall, **record}, default=str))
+    print("summary:", json.dumps(counts))
+    if args.json:
+        out = Path(args.json)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "aiter_triton_smoke.jsonl").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+def _compile_main(args: argparse.Namespace) -> int:
+    global _COMPILE_ONLY
+    _COMPILE_ONLY = True
+    print(compat.set_compile_only_target(), flush=True)
+    got = load()
+    if isinstance(got, str):
+        print(f"SKIP all: {got}")
+        return 0
+    for op, why in got.problems.items():
+        print(f"op {op} unavailable: {why}")
+    main_b = AiterTritonBackend(compat_layer=not args.as_shipped)
+    rope_b = AiterTritonBackend("aiter-triton-rope", "grouped_rope",
+                                compat_layer=not args.as_shipped)
+    cases: list[tuple[str, Case, AiterTritonBackend]] = []
+    for name, case in compile_cases():
+        if args.only in name:
+            cases.append((name, case, main_b))
+            if (args.rope and isinstance(case, DecodeCase) and case.max_q_len == 1
+                    and not case.quant.is_fp8):
+                cases.append(("rope " + name, case, rope_b))
+    records = compile_check(cases, force=args.force)
+    for r in records:
+        cfg = " ".join(f"{k}={r[k]}" for k in ("BLOCK_M", "TILE_SIZE", "BLOCK_N", "BLOCK_H",
+                                                "num_warps") if k in r)
+        shared = f"{r['shared']:>7d} B" if "shared" in r else " " * 9
+        print(f"{r['case'][:44]:44s} {r['kernel'][:36]:36s} {cfg:34s} {shared} {r['status']}")
+    if args.json:
+        out = Path(args.json)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "aiter_triton_compile.jsonl").write_text(
+            "\n".join(json.dumps(r, default=str) for r in records) + "\n")
+    return 0
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
