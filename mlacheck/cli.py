@@ -29,6 +29,15 @@ def _die(msg: str) -> int:
     return EXIT_USAGE
 
 
+def _plugin_args() -> list[str]:
+    """Load the plugin explicitly when it is not installed as a pytest11 entry point
+    (e.g. mlacheck used from a source tree on PYTHONPATH)."""
+    from importlib.metadata import entry_points
+
+    installed = any(ep.name == "mlacheck" for ep in entry_points(group="pytest11"))
+    return [] if installed else ["-p", "mlacheck.pytest_plugin"]
+
+
 def _suite_path() -> str:
     from mlacheck.suite import test_mla
 
@@ -59,6 +68,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         f"-n={workers}", f"--max-worker-restart={max(4, len(matrix.cases) * len(backends))}",
         "--rootdir", str(Path.cwd()),
     ]
+    argv += _plugin_args()
     argv += [f"--mla-backend={b}" for b in backends]
     if args.seed is not None:
         argv.append(f"--mla-seed={args.seed}")
