@@ -209,7 +209,8 @@ def verdict(
     # LSE (natural log), where the case asks for it.
     wants_lse = not isinstance(case, PrefillCase) or case.return_lse
     if wants_lse and output.lse is not None:
-        where += _check_lse(inputs, output.lse.detach().cpu(), g_lse, baseline, checks)
+        where += _check_lse(inputs, output.lse.detach().cpu(), g_lse, baseline, checks,
+                            bound if tol.LSE_WITHIN_ROW_BOUND else 0.0)
     elif wants_lse and output.lse is None:
         checks.append(Check("lse", True, detail="backend returns no LSE (capability); not checked"))
 
@@ -303,7 +304,7 @@ def input_overflow(inputs: Inputs) -> int:
 
 
 def _check_lse(inputs: Inputs, lse: torch.Tensor, g_lse: torch.Tensor, baseline: Output,
-               checks: list[Check]) -> list[Where]:
+               checks: list[Check], row_bound: float) -> list[Where]:
     if tuple(lse.shape) != tuple(g_lse.shape):
         checks.append(Check("lse", False, detail=f"LSE shape {tuple(lse.shape)} != {tuple(g_lse.shape)}"))
         return []
@@ -315,10 +316,12 @@ def _check_lse(inputs: Inputs, lse: torch.Tensor, g_lse: torch.Tensor, baseline:
     diff = diff.masked_fill(~same_empty, float("inf"))
     b = baseline.lse.detach().cpu().double() if baseline.lse is not None else g
     b_diff = (b - g).abs().masked_fill(g_empty | ~torch.isfinite(b), 0.0)
-    bound = tol.LSE_FACTOR * float(b_diff.max()) + tol.LSE_FLOOR
+    own = tol.LSE_FACTOR * float(b_diff.max()) + tol.LSE_FLOOR
+    bound = max(own, row_bound)
     bad = diff > bound
     checks.append(Check("lse", not bool(bad.any()), float(diff.max()), bound,
-                        f"{int(bad.sum())} rows; natural-log LSE"))
+                        f"{int(bad.sum())} rows; natural-log LSE; bound = max({tol.LSE_FACTOR:g} x "
+                        f"baseline {float(b_diff.max()):.3g} + floor, output row bound {row_bound:.3g})"))
     return localise(inputs, bad, diff, bound, "lse") if bad.any() else []
 
 

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from mlacheck.golden.core import SCORE_BLOCK_ELEMENTS, Result, _apply_v, attend, exact_matmuls
+from mlacheck.golden.core import (
+    SCORE_BLOCK_ELEMENTS,
+    Operand,
+    Result,
+    _apply_v,
+    attend,
+    exact_matmuls,
+)
 from mlacheck.inputs import DecodeInputs
 
 
@@ -24,16 +31,22 @@ def _queries(inputs: DecodeInputs, variant: str) -> torch.Tensor:
 
 
 def reference(inputs: DecodeInputs, variant: str = "exact", dtype: torch.dtype = torch.float32) -> Result:
-    """Dense decode: each request's q_len tokens (MTP causal, bottom-right) over its kv."""
+    """Dense decode: each request's q_len tokens (MTP causal, bottom-right) over its kv.
+
+    Requests are gathered one at a time (as stored, converted per block), so memory stays
+    near one request's KV whatever the batch.
+    """
     case = inputs.case
     rank = case.dims.kv_lora_rank
-    q = _queries(inputs, variant)
-    kvs = kv_tensors(inputs, variant)
+    q = (Operand(inputs.q.ideal) if variant == "ideal"
+         else Operand(inputs.q.stored, inputs.q.scale))
     qo = inputs.qo_indptr.tolist()
     outs, lses = [], []
-    for r, kv in enumerate(kvs):
-        kv = kv.to(dtype)
-        res = attend(q[qo[r] : qo[r + 1]].to(dtype), kv, kv[..., :rank], case.softmax_scale, causal=True)
+    for r in range(len(case.requests)):
+        kv = (Operand(inputs.kv[r].ideal) if variant == "ideal"
+              else Operand(inputs.pool.gather(r, dequant=False), inputs.pool.scale))
+        res = attend(q.view(lambda x, a=qo[r], b=qo[r + 1]: x[a:b]), kv,
+                     kv.view(lambda x: x[..., :rank]), case.softmax_scale, causal=True, dtype=dtype)
         outs.append(res.out)
         lses.append(res.lse)
     return Result(torch.cat(outs), torch.cat(lses))

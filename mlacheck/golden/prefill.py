@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mlacheck.golden.core import Result, attend
+from mlacheck.golden.core import Operand, Result, attend
 from mlacheck.inputs import PrefillInputs
 
 
@@ -30,17 +30,33 @@ def kv_tensors(inputs: PrefillInputs, variant: str) -> tuple[list[torch.Tensor],
     return ks, vs
 
 
+def operands(inputs: PrefillInputs, variant: str) -> tuple[list[Operand], list[Operand], list[Operand]]:
+    """Per segment q, K, V as stored + scale (converted block by block inside attend).
+
+    exact: what the kernel received (through the paged pools and their page table when
+    paged); ideal: the unquantised originals.
+    """
+    n = len(inputs.case.segments)
+    qc, kc = inputs.cu_seqlens_q.tolist(), inputs.cu_seqlens_k.tolist()
+
+    def segs(op: Operand, cuts: list[int]) -> list[Operand]:
+        return [op.view(lambda x, a=cuts[i], b=cuts[i + 1]: x[a:b]) for i in range(n)]
+
+    if variant == "ideal":
+        return (segs(Operand(inputs.q.ideal), qc), segs(Operand(inputs.k.ideal), kc),
+                segs(Operand(inputs.v.ideal), kc))
+    qs = segs(Operand(inputs.q.stored, inputs.q.scale), qc)
+    if inputs.k_pool is not None and inputs.v_pool is not None:
+        kp, vp = inputs.k_pool, inputs.v_pool
+        return (qs, [Operand(kp.gather(i, dequant=False), kp.scale) for i in range(n)],
+                [Operand(vp.gather(i, dequant=False), vp.scale) for i in range(n)])
+    return (qs, segs(Operand(inputs.k.stored, inputs.k.scale), kc),
+            segs(Operand(inputs.v.stored, inputs.v.scale), kc))
+
+
 def reference(inputs: PrefillInputs, variant: str = "exact", dtype: torch.dtype = torch.float32) -> Result:
     case = inputs.case
-    q_all = inputs.q.ideal if variant == "ideal" else inputs.q.dequant()
-    ks, vs = kv_tensors(inputs, variant)
-    qc = inputs.cu_seqlens_q.tolist()
-    outs, lses = [], []
-    for i, _seg in enumerate(case.segments):
-        r = attend(
-            q_all[qc[i] : qc[i + 1]].to(dtype), ks[i].to(dtype), vs[i].to(dtype),
-            case.softmax_scale, case.causal, case.soft_cap,
-        )
-        outs.append(r.out)
-        lses.append(r.lse)
-    return Result(torch.cat(outs), torch.cat(lses))
+    qs, ks, vs = operands(inputs, variant)
+    res = [attend(q, k, v, case.softmax_scale, case.causal, case.soft_cap, dtype=dtype)
+           for q, k, v in zip(qs, ks, vs, strict=True)]
+    return Result(torch.cat([r.out for r in res]), torch.cat([r.lse for r in res]))
