@@ -58,9 +58,11 @@ class Operand:
 
     def get(self, dtype: torch.dtype) -> torch.Tensor:
         """Dequantised in fp32 (fp8.dequantize's definition of the value), then in `dtype`."""
+        # Layout is preserved (no .contiguous()): a transposed K view goes to the GEMM as a
+        # transposed operand instead of being copied.
         if isinstance(self.scale, torch.Tensor) or self.scale != 1.0:
-            return (self.data.float() * self.scale).to(dtype).contiguous()
-        return self.data.to(dtype).contiguous()
+            return (self.data.float() * self.scale).to(dtype)
+        return self.data.to(dtype)
 
 
 def _operand(x: torch.Tensor | Operand) -> Operand:
@@ -156,8 +158,10 @@ def _attend_groups(
                     out[g0:g1, r0:r1] = 0
                     lse[g0:g1, r0:r1] = float("-inf")
                     continue
-                s = torch.matmul(qh[:, r0:r1], kh[..., :end])  # [gb, rb, end]
-                s.mul_(scale)
+                qb = qh[:, r0:r1]
+                kb = kh[..., :end].expand(qb.shape[0], -1, -1)
+                # scores = scale * q k^T, the scale applied in the GEMM epilogue (one pass less)
+                s = torch.baddbmm(qb.new_empty(()), qb, kb, beta=0.0, alpha=scale)  # [gb, rb, end]
                 if soft_cap > 0:
                     s.div_(soft_cap).tanh_().mul_(soft_cap)
                 # columns before c0 are visible to every row of the block

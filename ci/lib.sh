@@ -1,0 +1,234 @@
+# shellcheck shell=bash
+# Shared functions of ci/premerge.sh and ci/nightly.sh (sourced, not run).
+#
+# Conventions: progress goes to stdout prefixed with "$CI_NAME:"; a bad environment is ONE
+# line on stderr and exit code 2 (die); the callers keep their knobs at their top.
+
+CI_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO_ROOT=$(cd "$CI_DIR/.." && pwd)
+CI_NAME=${CI_NAME:-mlacheck-ci}
+EXIT_USAGE=2
+
+say() { printf '%s: %s\n' "$CI_NAME" "$*"; }
+die() {
+    printf '%s: error: %s\n' "$CI_NAME" "$*" >&2
+    exit "$EXIT_USAGE"
+}
+have() { command -v "$1" >/dev/null 2>&1; }
+
+# Run a probe command with a time limit when `timeout` exists (rocm-smi can hang on a
+# wedged GPU); its stderr is dropped.
+probe() {
+    if have timeout; then
+        timeout 60 "$@" 2>/dev/null
+    else
+        "$@" 2>/dev/null
+    fi
+}
+
+# Which python and which mlacheck. Inside the mlacheck checkout itself the checkout's code is
+# what is tested, whatever an earlier `pip install -e` points at: put it first on PYTHONPATH.
+setup_python() {
+    PYTHON=${PYTHON:-python3}
+    have "$PYTHON" || die "python interpreter '$PYTHON' not found (set PYTHON)"
+    if [[ -f "$REPO_ROOT/mlacheck/__init__.py" && -f "$REPO_ROOT/pyproject.toml" ]]; then
+        export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    if [[ -n ${MLACHECK:-} ]]; then
+        read -r -a MLA <<<"$MLACHECK"
+    else
+        MLA=("$PYTHON" -m mlacheck.cli)
+    fi
+    local plugin
+    plugin=$("$PYTHON" -c 'import mlacheck
+from importlib.metadata import entry_points
+print(any(e.value.startswith("mlacheck.pytest_plugin") for e in entry_points(group="pytest11")))' \
+        2>/dev/null) || die "python '$PYTHON' cannot import mlacheck: pip install mlacheck (docs/ci.md)"
+    # A checkout used without `pip install` has no pytest11 entry point: load the plugin by name.
+    if [[ $plugin != True && -z ${PYTEST_PLUGINS:-} ]]; then
+        export PYTEST_PLUGINS=mlacheck.pytest_plugin
+    fi
+    CI_PY=("$PYTHON" "$CI_DIR/mlacheck_ci.py")
+}
+
+# Detect GPUs. Sets:
+#   GPU_TOOL, GPU_TOOL_COUNT   what amd-smi / rocm-smi / nvidia-smi see (all GPUs of the node)
+#   TORCH_BUILD                rocm | cuda | cpu (the torch build)
+#   GPU_COUNT                  GPUs torch can use (HIP/CUDA_VISIBLE_DEVICES respected)
+#   MODE, PLATFORM             gpu + rocm|cuda, or cpu + none
+# Knobs read: DEVICE (auto|cpu|cuda), REQUIRE_GPU, VISIBLE_DEVICES.
+detect_gpus() {
+    : "${DEVICE:=auto}" "${REQUIRE_GPU:=0}"
+    case $DEVICE in
+        auto | cpu | cuda) ;;
+        cuda:*) die "DEVICE=$DEVICE: choose GPUs with VISIBLE_DEVICES=${DEVICE#cuda:} (each xdist worker gets one of them) and DEVICE=cuda" ;;
+        *) die "DEVICE=$DEVICE: expected auto, cpu or cuda" ;;
+    esac
+    GPU_TOOL="" GPU_TOOL_COUNT=0
+    local n
+    if have amd-smi; then
+        n=$(probe amd-smi list | grep -cE '^GPU: *[0-9]+' || true)
+        if [[ ${n:-0} -gt 0 ]]; then GPU_TOOL=amd-smi GPU_TOOL_COUNT=$n; fi
+    fi
+    if [[ $GPU_TOOL_COUNT -eq 0 ]] && have rocm-smi; then
+        n=$(probe rocm-smi --showid | grep -oE '^GPU\[[0-9]+\]' | sort -u | wc -l || true)
+        if [[ ${n:-0} -gt 0 ]]; then GPU_TOOL=rocm-smi GPU_TOOL_COUNT=$n; fi
+    fi
+    if [[ $GPU_TOOL_COUNT -eq 0 ]] && have nvidia-smi; then
+        n=$(probe nvidia-smi -L | grep -cE '^GPU [0-9]+' || true)
+        if [[ ${n:-0} -gt 0 ]]; then GPU_TOOL=nvidia-smi GPU_TOOL_COUNT=$n; fi
+    fi
+
+    TORCH_BUILD=$("$PYTHON" -c 'import torch
+print("rocm" if getattr(torch.version, "hip", None) else ("cuda" if torch.version.cuda else "cpu"))' \
+        2>/dev/null) || die "python '$PYTHON' cannot import torch (install the ROCm/CUDA build of torch first)"
+
+    # VISIBLE_DEVICES: the GPUs this job may use (e.g. "0,1,2,3" on a shared node). Only the
+    # variable of the platform is set: ROCm also reads CUDA_VISIBLE_DEVICES, and two
+    # different lists would confuse the per-worker mapping.
+    if [[ -n ${VISIBLE_DEVICES:-} ]]; then
+        case $TORCH_BUILD in
+            rocm) export HIP_VISIBLE_DEVICES=$VISIBLE_DEVICES ;;
+            cuda) export CUDA_VISIBLE_DEVICES=$VISIBLE_DEVICES ;;
+        esac
+    fi
+
+    GPU_COUNT=0
+    if [[ $DEVICE != cpu && $TORCH_BUILD != cpu ]]; then
+        GPU_COUNT=$("$PYTHON" -c 'import torch
+print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null) || GPU_COUNT=0
+    fi
+
+    local seen="no GPU tool found (amd-smi, rocm-smi, nvidia-smi)"
+    if [[ -n $GPU_TOOL ]]; then seen="$GPU_TOOL sees $GPU_TOOL_COUNT GPU(s)"; fi
+    if [[ $DEVICE == cpu ]]; then
+        if [[ $REQUIRE_GPU == 1 ]]; then die "REQUIRE_GPU=1 but DEVICE=cpu"; fi
+        MODE=cpu PLATFORM=none
+    elif [[ $GPU_COUNT -gt 0 ]]; then
+        MODE=gpu PLATFORM=$TORCH_BUILD
+    elif [[ $GPU_TOOL_COUNT -gt 0 ]]; then
+        die "$seen but torch ($TORCH_BUILD build) sees none: install the ROCm/CUDA build of torch or fix HIP_VISIBLE_DEVICES/CUDA_VISIBLE_DEVICES (or DEVICE=cpu)"
+    elif [[ $REQUIRE_GPU == 1 ]]; then
+        die "no GPU found and REQUIRE_GPU=1 ($seen; torch is the $TORCH_BUILD build)"
+    elif [[ $DEVICE == cuda ]]; then
+        die "no GPU found and DEVICE=$DEVICE ($seen; torch is the $TORCH_BUILD build)"
+    else
+        MODE=cpu PLATFORM=none
+    fi
+    if [[ $MODE == gpu ]]; then
+        # Name the GPUs explicitly (indices as torch counts them, i.e. after any
+        # ROCR_VISIBLE_DEVICES): the plugin gives xdist worker gwK the K-th entry, so the
+        # mapping never depends on its own GPU count (all GPUs of the node).
+        local var=CUDA_VISIBLE_DEVICES
+        if [[ $PLATFORM == rocm ]]; then var=HIP_VISIBLE_DEVICES; fi
+        if [[ -z ${!var:-} ]]; then
+            export "$var=$(seq -s, 0 $((GPU_COUNT - 1)))"
+        fi
+        say "GPUs: $GPU_COUNT usable by torch ($TORCH_BUILD build; $seen${HIP_VISIBLE_DEVICES:+; HIP_VISIBLE_DEVICES=$HIP_VISIBLE_DEVICES}${CUDA_VISIBLE_DEVICES:+; CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES})"
+    else
+        say "no GPU: CPU mode ($seen; torch is the $TORCH_BUILD build)"
+    fi
+}
+
+# The backends to run. Sets the array RUN_BACKENDS (empty: mlacheck's embedded default) and
+# NOTES (lines for the summary: the platform's backends that are not usable here).
+# BACKENDS (knob): space/comma separated names or pkg.module:factory paths, taken as given.
+choose_backends() {
+    RUN_BACKENDS=() NOTES=()
+    if [[ -n ${BACKENDS:-} ]]; then
+        read -r -a RUN_BACKENDS <<<"${BACKENDS//,/ }"
+        return
+    fi
+    if [[ $MODE == cpu ]]; then return 0; fi
+    local candidates=()
+    case $PLATFORM in
+        rocm) candidates=(aiter aiter-nonpersistent aiter-triton torch) ;;
+        *) candidates=(aiter-triton torch) ;;
+    esac
+    local listing
+    say "asking mlacheck list which backends are usable here"
+    listing=$("${MLA[@]}" list 2>&1) || die "mlacheck list failed: $(printf '%s' "$listing" | tail -n 1)"
+    # `mlacheck list`: "  name" (usable) or "  name   unavailable[ here]: why" under "backends:"
+    local b line
+    for b in "${candidates[@]}"; do
+        line=$(printf '%s\n' "$listing" | awk -v b="$b" '/^backends:/{f=1; next} /^[^ ]/{f=0} f && $1 == b {print; exit}')
+        if [[ -z $line ]]; then
+            NOTES+=("not run: $b (not known to this mlacheck)")
+        elif [[ $line =~ unavailable ]]; then
+            NOTES+=("not run: $b (${line#*: })")
+        else
+            RUN_BACKENDS+=("$b")
+        fi
+    done
+    [[ ${#RUN_BACKENDS[@]} -gt 0 ]] || die "no usable backend among: ${candidates[*]} (see mlacheck list)"
+}
+
+# Run one matrix into $1 (a folder): results.jsonl, junit.xml, run.log, report.md/.html,
+# summary.txt/.md. Sets MATRIX_RC: 0 pass, 1 some FAIL/CRASH, 2 could not run / no verdicts.
+# Knobs read: MATRIX, WORKERS, MARKERS, TIMEOUT; uses MODE, RUN_BACKENDS, NOTES.
+run_matrix() {
+    local out=$1 title=$2
+    mkdir -p "$out"
+    rm -f "$out/results.jsonl" "$out/junit.xml" "$out/report.md" "$out/report.html" \
+        "$out/summary.txt" "$out/summary.md" "$out/run.log"
+    local device=cpu
+    if [[ $MODE == gpu ]]; then device=cuda; fi
+    local workers=${WORKERS:-}
+    if [[ -z $workers ]]; then
+        workers=1
+        if [[ $MODE == gpu ]]; then workers=$GPU_COUNT; fi
+    fi
+    local args=(run --matrix "$MATRIX" --device "$device" --results "$out/results.jsonl"
+        --junit "$out/junit.xml" --workers "$workers" --timeout "$TIMEOUT" --no-report)
+    local b
+    for b in "${RUN_BACKENDS[@]}"; do args+=(--backend "$b"); done
+    if [[ -n ${MARKERS:-} ]]; then args+=(-m "$MARKERS"); fi
+    say "running: mlacheck ${args[*]}"
+    local rc=0
+    "${MLA[@]}" "${args[@]}" 2>&1 | tee "$out/run.log" || rc=${PIPESTATUS[0]}
+    if [[ ! -s "$out/results.jsonl" ]]; then
+        MATRIX_RC=2
+        local why
+        why=$(grep -E '^mlacheck: error: |^(ERROR|E  ) ' "$out/run.log" | tail -n 1 || true)
+        printf '%s: error: mlacheck run recorded no verdicts (exit %s%s; see %s)\n' \
+            "$CI_NAME" "$rc" "${why:+: ${why#mlacheck: error: }}" "$out/run.log" >&2
+        return 0
+    fi
+    "${MLA[@]}" report "$out/results.jsonl" -o "$out" >"$out/report.log" 2>&1 ||
+        say "warning: mlacheck report failed (see $out/report.log)"
+    local notes=() n src=${MATRIX##*/}
+    src=${src%.yaml}
+    if [[ ${#RUN_BACKENDS[@]} -eq 0 ]]; then src="$src, embedded default backend"; fi
+    for n in "${NOTES[@]}"; do notes+=(--note "$n"); done
+    local src_note=(--note "matrix $src; device $device, $workers worker(s); artifacts in $out")
+    local src_rc=0
+    "${CI_PY[@]}" summary "$out/results.jsonl" --title "$title" --md "$out/summary.md" \
+        "${src_note[@]}" "${notes[@]}" >"$out/summary.txt" || src_rc=$?
+    # rc: mlacheck run's own exit code, raised to 1 if the results hold a FAIL/CRASH.
+    MATRIX_RC=$rc
+    if [[ $rc -ne 0 && $rc -ne 1 ]]; then
+        printf '%s: error: mlacheck run ended with exit %s (a pytest error, not a verdict; see %s)\n' \
+            "$CI_NAME" "$rc" "$out/run.log" >&2
+        MATRIX_RC=2
+    fi
+    if [[ $src_rc -eq 2 ]]; then MATRIX_RC=2; fi
+    if [[ $src_rc -eq 1 && $MATRIX_RC -eq 0 ]]; then MATRIX_RC=1; fi
+    return 0
+}
+
+# Load a KEY=value shell file (ci/nightly.env): what the environment already sets to a
+# non-empty value wins (an empty one, e.g. an unset CI variable passed through, does not).
+load_env_file() {
+    local file=$1 name
+    [[ -f $file ]] || return 0
+    local -A saved=()
+    for name in $(compgen -e); do
+        if [[ -n ${!name-} ]]; then saved[$name]=${!name}; fi
+    done
+    # shellcheck source=/dev/null
+    source "$file" || die "cannot load $file"
+    for name in "${!saved[@]}"; do
+        if [[ ${!name-} != "${saved[$name]}" ]]; then printf -v "$name" '%s' "${saved[$name]}"; fi
+    done
+    say "config: $file"
+}

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
+# mlacheck pre-merge job: the premerge matrix on every usable backend, one pytest-xdist worker
+# per GPU; JUnit XML, JSON lines and an HTML report in $ARTIFACTS; a one-screen summary.
+#
+#   ci/premerge.sh                      # ROCm/CUDA runner, or CPU fallback
+#   MATRIX=smoke BACKENDS=torch ci/premerge.sh
+#
+# GPU node: MATRIX=premerge on ROCm backends aiter, aiter-nonpersistent, aiter-triton, torch
+# (CUDA: aiter-triton, torch), those that `mlacheck list` calls usable; the others are named
+# in the summary as "not run". CPU machine (no GPU seen by torch): the smoke matrix on
+# mlacheck's embedded default backend, so a CPU CI can run this script as is.
+#
+# Exit: 0 every verdict PASS/SKIP/KNOWN; 1 some FAIL or CRASH; 2 bad environment or usage
+# (one line on stderr: REQUIRE_GPU=1 without a GPU, GPUs torch cannot see, unknown backend,
+# bad matrix, nothing recorded).
+#
+# Artifacts ($ARTIFACTS): results.jsonl, junit.xml, report.md, report.html, summary.txt,
+# summary.md (the markdown CI posts as a step summary), run.log, report.log.
+set -euo pipefail
+
+# ---- knobs (environment variables) ---------------------------------------------------------
+MATRIX=${MATRIX:-}                      # matrix name or YAML path; default premerge (GPU) / smoke (CPU)
+BACKENDS=${BACKENDS:-}                  # space/comma separated; default: every usable one (see above)
+DEVICE=${DEVICE:-auto}                  # auto | cpu | cuda (ROCm GPUs are "cuda" to torch)
+WORKERS=${WORKERS:-}                    # xdist workers; default one per visible GPU, 1 on CPU
+ARTIFACTS=${ARTIFACTS:-./mlacheck-artifacts}
+REQUIRE_GPU=${REQUIRE_GPU:-0}           # 1: no GPU is an error (exit 2), not a CPU fallback
+VISIBLE_DEVICES=${VISIBLE_DEVICES:-}    # e.g. 0,1,2,3: exported as HIP_/CUDA_VISIBLE_DEVICES
+MARKERS=${MARKERS:-}                    # pytest -m expression, e.g. "not large_kv"
+TIMEOUT=${TIMEOUT:-600}                 # seconds per case (pytest-timeout); a hang is a failure
+PYTHON=${PYTHON:-python3}               # the interpreter that has mlacheck and torch
+MLACHECK=${MLACHECK:-}                  # mlacheck command; default "$PYTHON -m mlacheck.cli"
+# ---------------------------------------------------------------------------------------------
+
+CI_NAME=premerge
+# shellcheck source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+main() {
+    local start=$SECONDS
+    setup_python
+    detect_gpus
+    if [[ -z $MATRIX ]]; then
+        MATRIX=smoke
+        if [[ $MODE == gpu ]]; then MATRIX=premerge; fi
+    fi
+    choose_backends
+    mkdir -p "$ARTIFACTS" || die "cannot create ARTIFACTS=$ARTIFACTS"
+    ARTIFACTS=$(cd "$ARTIFACTS" && pwd)
+    local n
+    for n in "${NOTES[@]}"; do say "$n"; done
+    local name=${MATRIX##*/}
+    run_matrix "$ARTIFACTS" "mlacheck premerge: ${name%.yaml}"
+    echo
+    if [[ -s "$ARTIFACTS/summary.txt" ]]; then cat "$ARTIFACTS/summary.txt"; fi
+    local f files=()
+    for f in junit.xml results.jsonl report.html report.md summary.md; do
+        if [[ -s "$ARTIFACTS/$f" ]]; then files+=("$f"); fi
+    done
+    say "artifacts in $ARTIFACTS: ${files[*]:-none}"
+    say "done in $((SECONDS - start)) s, exit $MATRIX_RC"
+    return "$MATRIX_RC"
+}
+
+main "$@"
