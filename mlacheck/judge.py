@@ -234,6 +234,10 @@ def verdict(
         max_cosine_distance=float(row_cosine_distance(out, g_out).masked_fill(~finite, 0).max()),
         rows=int(err.numel()),
     )
+    pool = inputs.pool if isinstance(inputs, DecodeInputs) else inputs.k_pool
+    if pool is not None:  # where the live pages really sit (a >2 GB case must reach 2^31)
+        top = max(pool.byte_range(r)[1] for r in range(pool.table.batch))
+        v.metrics.update(pool_bytes=pool.nbytes, live_top_byte=top, live_region=byte_region(0, top))
     if any(not c.passed for c in checks):
         v.status = FAIL
         v.reason = ", ".join(c.name for c in checks if not c.passed)
