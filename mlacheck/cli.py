@@ -165,7 +165,7 @@ def find_case(ref: str):  # noqa: ANN201
 def cmd_replay(args: argparse.Namespace) -> int:
     from mlacheck.backends.registry import DEFAULT_BACKEND, resolve
     from mlacheck.harness import RunOptions, run_case
-    from mlacheck.judge import FAIL, CRASH
+    from mlacheck.judge import CRASH, FAIL
 
     case = find_case(args.case)
     backend = resolve(args.backend or DEFAULT_BACKEND)
@@ -228,10 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         mod, fn = delegated[argv[0]].split(":")
-        try:
-            return int(getattr(importlib.import_module(mod), fn)(argv[1:]))
+        try:  # only the import: an ImportError while the command runs is its own failure
+            entry = getattr(importlib.import_module(mod), fn)
         except ImportError as e:
             return _die(f"{argv[0]} is not available: {e}")
+        return int(entry(argv[1:]))
     extra: list[str] = []
     if "--" in argv:
         i = argv.index("--")

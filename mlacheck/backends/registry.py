@@ -81,3 +81,12 @@ def _load(target: str, spec: str) -> Callable[[], Backend]:
         return getattr(mod, attr or "factory")
     except AttributeError:
         raise BackendError(f"backend {spec!r}: {mod_name} has no {attr or 'factory'!r}") from None
+
+
+def _register_faults() -> None:
+    """The fault catalogue (`fault:<name>`, mlacheck selftest): a data-only module, each
+    fault imported when it is built."""
+    BUILTIN.update(importlib.import_module("mlacheck.backends.faults").BUILTIN_NAMES)
+
+
+_register_faults()

@@ -1,0 +1,211 @@
+"""The fault catalogue: every bug class of DESIGN §5 (and a few generic mistakes) planted in a
+correct backend, reproducing the *mechanism* of the real bug, so that `mlacheck selftest` can
+show, on every CI run, that the suite catches each one and no correct backend fails.
+
+This module is data only (importing it imports neither a fault nor torch): the registry merges
+BUILTIN_NAMES (`fault:<name>` -> `module:factory`) into its built-ins, and a
+fault's module is imported when the fault is built. One module per family:
+
+    generic.py     perturb-row, default-softmax-scale, lse-base2, causal-top-left,
+                   last-page-off-by-one, write-past-output, nondeterministic
+    decode.py      class 1 (decode over num_actual_tokens), class 9 (MTP, q_len-1 metadata)
+    sparse.py      class 2 (ragged written, row-major read), class 3 (dense metadata)
+    prefill.py     class 4 (multi-segment as one / first only), class 8 (context-chunk LSE)
+    heads.py       class 5 (16 // H padding), class 12 (output unpadding)
+    paging.py      class 6 (32-bit offset wrap, reads past the live page), class 11
+    fp8.py         class 7 (unit-scale FP8 re-cast)
+    persistent.py  class 10 (stale persistent metadata)
+
+Each FaultSpec names the selftest-matrix groups (mlacheck/matrices/selftest.yaml) meant to
+expose it, the checks expected to fire there ("crash" for a refused call), the Hypothesis
+strategy its minimal-case search draws from (mlacheck.backends.faults.search), and where it
+must NOT fail (the contrast that shows the mechanism, asserted by the unit tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+PREFIX = "fault:"
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    name: str
+    bug_class: int | str  # DESIGN §5 class number, or "generic"
+    mechanism: str  # one line
+    factory: str  # "module:function"; the function takes an optional `inner` backend name
+    inner: str  # the correct backend it is planted in (registry name)
+    ops: tuple[str, ...]  # the ops it acts on (its capabilities are restricted to them)
+    groups: tuple[str, ...]  # selftest-matrix groups that must expose it
+    expect: tuple[str, ...]  # checks of which at least one fires there ("crash": refused)
+    search: str  # strategy factory in mlacheck.backends.faults.search
+    stateful: bool = False  # only a sequence of calls on one instance shows it
+    determinism: bool = False  # only a repeated run (RunOptions(repeat=2)) shows it
+    contrast: str = ""  # where the same fault must PASS: proof it is the mechanism
+
+    @property
+    def backend_name(self) -> str:
+        return PREFIX + self.name
+
+    @property
+    def class_label(self) -> str:
+        return str(self.bug_class)
+
+    def build(self, inner: str | None = None) -> Any:
+        """A fresh instance (stateful faults keep state per instance)."""
+        mod, _, fn = self.factory.partition(":")
+        factory = getattr(importlib.import_module(mod), fn)
+        return factory() if inner is None else factory(inner=inner)
+
+
+_M = "mlacheck.backends.faults"
+DECODE = ("mla_decode",)
+SPARSE = ("mla_sparse_decode",)
+
+_SPECS = (
+    FaultSpec("decode-num-actual-tokens", 1,
+              "decode launched over prefill+decode tokens: extra rows read stale index entries "
+              "(free pages) and write past the decode output",
+              f"{_M}.decode:decode_num_actual_tokens", "aiter-model", DECODE,
+              ("decode-mixed",), ("guards",), "decode_any"),
+    FaultSpec("sparse-ragged-rowmajor", 2,
+              "sparse kv_indices written ragged (cu_seqlens[t] + i), read row-major "
+              "(t * topk + i)",
+              f"{_M}.sparse:sparse_ragged_rowmajor", "aiter-model", SPARSE,
+              ("sparse-topk",), ("row_error", "nonfinite"), "sparse_short",
+              contrast="passes when every token has topk valid indices"),
+    FaultSpec("sparse-dense-metadata", 3,
+              "buffers sized for the sparse layout, filled by get_mla_metadata_v1 with its "
+              "default topk=-1 (dense)",
+              f"{_M}.sparse:sparse_dense_metadata", "aiter-model", SPARSE,
+              ("sparse-topk",), ("metadata", "row_error"), "sparse_short",
+              contrast="passes when every token has topk valid indices"),
+    FaultSpec("multiseg-as-one", 4,
+              "multi-segment varlen prefill run as one segment (cu_seqlens collapsed)",
+              f"{_M}.prefill:multiseg_as_one", "torch", ("mla_prefill",),
+              ("prefill-segments",), ("row_error",), "prefill_multiseg",
+              contrast="passes on a one-segment batch"),
+    FaultSpec("multiseg-first-only", 4,
+              "multi-segment varlen prefill: only the first segment is computed",
+              f"{_M}.prefill:multiseg_first_only", "torch", ("mla_prefill",),
+              ("prefill-segments",), ("row_error",), "prefill_multiseg",
+              contrast="passes on a one-segment batch"),
+    FaultSpec("pad-heads-floor-div", 5,
+              "q padded with repeat_interleave(16 // H): 12 heads stay 12, AITER refuses them",
+              f"{_M}.heads:pad_heads_floor_div", "aiter-model", DECODE + SPARSE,
+              ("decode-heads",), ("crash",), "decode_heads",
+              contrast="passes with 8 heads (16 // 8 == 2 is right)"),
+    FaultSpec("offset-wrap-int32", 6,
+              "page byte offset page * page_bytes held in int32: pages past 2^31 read "
+              "memory before the pool",
+              f"{_M}.paging:offset_wrap_int32", "aiter-model", DECODE + SPARSE,
+              ("decode-large-kv",), ("nonfinite",), "decode_large_kv31",
+              contrast="passes when every live page sits below 2^31"),
+    FaultSpec("offset-wrap-uint32", 6,
+              "page byte offset held in uint32: pages past 2^32 read the pool's bottom",
+              f"{_M}.paging:offset_wrap_uint32", "aiter-model", DECODE + SPARSE,
+              ("decode-large-kv",), ("nonfinite",), "decode_large_kv32",
+              contrast="passes on a pool past 2^31 that ends below 2^32"),
+    FaultSpec("read-past-page-end", 6,
+              "the last page read whole (kv_last_page_lens = page_size): a partial page's "
+              "poisoned tail is used",
+              f"{_M}.paging:read_past_page_end", "aiter-model", ("mla_decode", "paged_prefill"),
+              ("decode-mixed", "decode-tail-sentinel"), ("nonfinite", "row_error"),
+              "decode_paged",
+              contrast="passes at page size 1 (no partial pages)"),
+    FaultSpec("fp8-unit-scale", 7,
+              "FP8 inputs re-cast from the unquantised values with unit scale (ignoring the "
+              "amax scales): e4m3fn saturates, e4m3fnuz gives NaN",
+              f"{_M}.fp8:fp8_unit_scale", "torch", ("mla_decode", "mla_prefill"),
+              ("fp8-outliers", "prefill-fp8"), ("nonfinite", "row_error"), "decode_fp8_outliers"),
+    FaultSpec("context-chunk-lse", 8,
+              "chunked prefill: non-causal context chunk + causal own chunk merged by LSE, the "
+              "context LSE in base 2",
+              f"{_M}.prefill:context_chunk_lse", "torch", ("mla_prefill", "paged_prefill"),
+              ("prefill-segments", "prefill-paged"), ("row_error", "lse"), "prefill_context",
+              contrast="passes when no segment has context"),
+    FaultSpec("mtp-metadata-qlen1", 9,
+              "MTP decode with persistent metadata built for q_len 1 (max_seqlen_qo = "
+              "uni_seqlen_qo = 1)",
+              f"{_M}.decode:mtp_metadata_qlen1", "aiter-model", DECODE,
+              ("decode-mtp",), ("metadata", "row_error"), "decode_mtp",
+              contrast="passes on q_len-1 decode"),
+    FaultSpec("stale-metadata", 10,
+              "persistent buffers kept across calls but refilled only when they grow: another "
+              "batch shape runs on an old schedule",
+              f"{_M}.persistent:stale_metadata", "aiter-model", DECODE + SPARSE,
+              ("decode-mixed", "decode-reshape"), ("metadata", "row_error", "crash"),
+              "decode_any",
+              stateful=True, contrast="passes on the first call of an instance"),
+    FaultSpec("last-page-lens-one", 11,
+              "kv_last_page_lens of all 1s (what page size 1 always has) at page size > 1",
+              f"{_M}.paging:last_page_lens_one", "aiter-model", ("mla_decode", "paged_prefill"),
+              ("decode-mixed", "prefill-paged"), ("row_error",), "decode_paged",
+              contrast="passes at page size 1"),
+    FaultSpec("unpad-heads-slice", 12,
+              "heads padded by repeating each (8 -> 16), output unpadded by slicing the first H",
+              f"{_M}.heads:unpad_heads_slice", "aiter-model", DECODE + SPARSE,
+              ("decode-heads",), ("row_error",), "decode_heads",
+              contrast="passes with 12 heads (zero-padded) and 16 (no padding)"),
+    FaultSpec("perturb-row", "generic",
+              "one (token, head) output row scaled by 1.02",
+              f"{_M}.generic:perturb_row", "torch",
+              ("mla_prefill", "paged_prefill", "mla_decode", "mla_sparse_decode"),
+              ("decode-mixed", "prefill-segments"), ("row_error",), "decode_bf16"),
+    FaultSpec("default-softmax-scale", "generic",
+              "sm_scale not passed: AITER decode's default 1/sqrt(576) instead of the model's",
+              f"{_M}.generic:default_softmax_scale", "aiter-model", DECODE + SPARSE,
+              ("decode-mixed",), ("row_error",), "decode_any"),
+    FaultSpec("lse-base2", "generic",
+              "LSE returned in base 2",
+              f"{_M}.generic:lse_base2", "torch",
+              ("mla_prefill", "paged_prefill", "mla_decode", "mla_sparse_decode"),
+              ("decode-mixed", "prefill-segments"), ("lse",), "decode_any"),
+    FaultSpec("causal-top-left", "generic",
+              "causal mask aligned top-left (query i sees kv j <= i)",
+              f"{_M}.generic:causal_top_left", "torch", ("mla_prefill", "paged_prefill"),
+              ("prefill-segments", "prefill-paged"), ("row_error",), "prefill_context",
+              contrast="passes when no segment has context"),
+    FaultSpec("last-page-off-by-one", "generic",
+              "kv_last_page_lens = kv_len % page_size: a full last page is dropped",
+              f"{_M}.generic:last_page_off_by_one", "aiter-model",
+              ("mla_decode", "paged_prefill"),
+              ("decode-mixed",), ("row_error",), "decode_page_boundary",
+              contrast="passes when every last page is partial"),
+    FaultSpec("write-past-output", "generic",
+              "the last output tile writes the row after the output",
+              f"{_M}.generic:write_past_output", "torch",
+              ("mla_prefill", "paged_prefill", "mla_decode", "mla_sparse_decode"),
+              ("decode-mixed", "prefill-segments"), ("guards",), "decode_any"),
+    FaultSpec("nondeterministic", "generic",
+              "KV split count varies from run to run: accurate, but not bitwise reproducible",
+              f"{_M}.generic:nondeterministic", "torch",
+              ("mla_prefill", "paged_prefill", "mla_decode", "mla_sparse_decode"),
+              ("decode-mixed", "prefill-segments"), ("determinism",), "decode_any",
+              determinism=True, contrast="passes without a repeated run"),
+)
+
+FAULTS: dict[str, FaultSpec] = {s.name: s for s in _SPECS}
+
+# What the registry merges into its built-ins: `fault:<name>` -> "module:factory".
+BUILTIN_NAMES: dict[str, str] = {s.backend_name: s.factory for s in _SPECS}
+
+
+def spec_of(backend_name: str) -> FaultSpec:
+    """The spec of `fault:<name>` (or of `<name>`)."""
+    name = backend_name[len(PREFIX):] if backend_name.startswith(PREFIX) else backend_name
+    try:
+        return FAULTS[name]
+    except KeyError:
+        raise KeyError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}") from None
+
+
+def make(name: str, inner: str | None = None) -> Any:
+    """A fresh instance of a fault, optionally planted in another backend (`inner`)."""
+    return spec_of(name).build(inner)
+
+
+__all__ = ["BUILTIN_NAMES", "FAULTS", "PREFIX", "FaultSpec", "make", "spec_of"]

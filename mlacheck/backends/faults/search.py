@@ -1,0 +1,106 @@
+"""Hypothesis strategies the selftest's minimal-case search draws from, one per fault family.
+
+Each is a narrowed `mlacheck.strategies` strategy: the same generators (so a shrunk case is
+the simplest by the same ordering: bf16, 16 heads, page size 16, one request, ...), bounded to
+CPU-cheap sizes and to the features the fault needs to show (a 2^31 placement for the offset
+wrap, outlier channels for the unit-scale cast, ...). FaultSpec.search names one of these.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from mlacheck import strategies as S
+from mlacheck.spec import Case, DecodeCase, Placement, Quant, Request
+
+BF16 = (Quant("bf16", "bf16"),)
+AMAX_FP8 = (Quant("fp8_e4m3fnuz", "fp8_e4m3fnuz", "amax"),
+            Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax"))
+FNUZ_AMAX = (Quant("fp8_e4m3fnuz", "fp8_e4m3fnuz", "amax"),)
+SHUFFLED = (Placement(),)
+MAX_KV = 160
+
+
+def decode_any() -> st.SearchStrategy[Case]:
+    return S.decode_cases(max_batch=3, max_q_len=1, max_kv=MAX_KV, head_counts=(16,),
+                          quants=BF16, page_sizes=(16, 1), placements=SHUFFLED)
+
+
+def decode_bf16() -> st.SearchStrategy[Case]:
+    return decode_any()
+
+
+def decode_paged() -> st.SearchStrategy[Case]:
+    """Page size 1 first: the search has to move to a page size > 1 to fail."""
+    return S.decode_cases(max_batch=3, max_q_len=1, max_kv=MAX_KV, head_counts=(16,),
+                          quants=BF16, page_sizes=(1, 16, 64), placements=SHUFFLED)
+
+
+@st.composite
+def _page_boundary(draw: st.DrawFn) -> Case:
+    """q_len-1 decode whose kv lengths sit at page boundaries first (one page, one token
+    past, one short, two pages: as sparse_cases does around topk), else anywhere."""
+    ps = draw(st.sampled_from((16, 1, 64)))
+    near = st.sampled_from(tuple(n for n in (ps, ps + 1, ps - 1, 2 * ps) if n >= 1))
+    n = draw(st.integers(1, 3))
+    lens = [draw(st.one_of(near, st.integers(1, MAX_KV))) for _ in range(n)]
+    return DecodeCase(requests=tuple(Request(1, k) for k in lens), num_heads=16, page_size=ps)
+
+
+def decode_page_boundary() -> st.SearchStrategy[Case]:
+    return _page_boundary()
+
+
+def decode_heads() -> st.SearchStrategy[Case]:
+    return S.decode_cases(max_batch=2, max_q_len=1, max_kv=MAX_KV, head_counts=(16, 8, 12),
+                          quants=BF16, page_sizes=(16,), placements=SHUFFLED)
+
+
+def decode_mtp() -> st.SearchStrategy[Case]:
+    return S.decode_cases(max_batch=3, max_q_len=4, max_kv=MAX_KV, head_counts=(16,),
+                          quants=BF16, page_sizes=(16,), placements=SHUFFLED)
+
+
+def decode_large_kv31() -> st.SearchStrategy[Case]:
+    """Live pages straddling 2^31 (fp8 KV keeps the pool at ~2 GiB: ~1 s per example)."""
+    return S.decode_cases(max_batch=2, max_q_len=1, max_kv=64, head_counts=(16,),
+                          quants=FNUZ_AMAX, page_sizes=(16,),
+                          placements=(Placement("high", offset_bytes=1 << 31),))
+
+
+def decode_large_kv32() -> st.SearchStrategy[Case]:
+    """Live pages straddling 2^32 (~4 GiB pools: seconds per example)."""
+    return S.decode_cases(max_batch=2, max_q_len=1, max_kv=64, head_counts=(16,),
+                          quants=FNUZ_AMAX, page_sizes=(16,),
+                          placements=(Placement("high", offset_bytes=1 << 32),))
+
+
+def decode_fp8_outliers() -> st.SearchStrategy[Case]:
+    """Outlier channels (the stress profile) under amax scales, both chip formats."""
+    return S.decode_cases(max_batch=2, max_q_len=1, max_kv=MAX_KV, head_counts=(16,),
+                          quants=AMAX_FP8, profiles=("stress",), page_sizes=(16,),
+                          placements=SHUFFLED)
+
+
+def sparse_short() -> st.SearchStrategy[Case]:
+    return S.sparse_cases(max_batch=2, max_q_len=2, topks=(64,), extra_kv=16, head_counts=(16,),
+                          quants=BF16, page_sizes=(16,), placements=SHUFFLED)
+
+
+def prefill_multiseg() -> st.SearchStrategy[Case]:
+    return S.prefill_cases(max_tokens=48, max_segments=3, head_counts=(16,), quants=BF16)
+
+
+def prefill_context() -> st.SearchStrategy[Case]:
+    return S.prefill_cases(max_tokens=48, max_segments=2, head_counts=(16,), quants=BF16)
+
+
+# Strategies whose examples allocate multi-GiB pools: the selftest gives them a small budget.
+EXPENSIVE = frozenset({"decode_large_kv31", "decode_large_kv32"})
+
+
+def strategy(name: str) -> st.SearchStrategy[Case]:
+    fn = globals().get(name)
+    if fn is None or not callable(fn):
+        raise KeyError(f"no search strategy {name!r} in {__name__}")
+    return fn()

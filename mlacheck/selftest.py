@@ -1,0 +1,449 @@
+"""`mlacheck selftest`: prove, on this machine, that the suite catches every planted fault of
+the catalogue (mlacheck/backends/faults: DESIGN §5's bug classes and generic mistakes) and
+raises no false alarm on the correct backends.
+
+    mlacheck selftest [--quick] [--matrix selftest] [--no-search] [--seeds N]
+                      [--fault NAME ...] [--backend NAME ...] [--inner NAME]
+                      [--json out.json] [--device cpu]
+
+1. Every fault runs, as ONE instance (stateful faults keep their state), over the matrix
+   cases of the ops it acts on (--quick: the matrix groups its spec names). A fault is
+   caught when at least one case FAILs or CRASHes; the table names how many cases, the
+   first one, and the checks that fired.
+2. For every fault a Hypothesis search (mlacheck.strategies' generators narrowed per fault,
+   mlacheck.backends.faults.search) finds a failing case and shrinks it to a minimal one.
+3. The correct backends (torch, torch-split, torch-reverse, aiter-model,
+   aiter-model-nonpersistent) run the whole matrix under `--seeds` seeds: any FAIL or CRASH
+   is a false alarm.
+
+Every run repeats the kernel on fresh inputs (RunOptions(repeat=2): the determinism check)
+where that matters: for the faults that only a repeated run shows, and for the correct
+backends (except, under --quick, on the multi-GiB large-KV cases, whose second pool build
+costs more than it proves there).
+
+Exit status: 0 when every fault is caught and no correct backend fails, 1 otherwise, 2 on bad
+input (unknown matrix, fault or option).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlacheck.backends.faults import FAULTS, FaultSpec
+from mlacheck.judge import CRASH, FAIL, PASS, SKIP, Verdict
+from mlacheck.spec import Case
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+DEFAULT_MATRIX = "selftest"
+CORRECT_BACKENDS = ("torch", "torch-split", "torch-reverse", "aiter-model",
+                    "aiter-model-nonpersistent")
+# Under --quick the multi-GiB large-KV cases run on these correct backends only: the
+# backends the large-KV faults are planted in (the other two differ from torch only in
+# accumulation order, not in how they address the pool).
+QUICK_LARGE_KV_BACKENDS = ("torch", "aiter-model")
+# Search budgets: backend runs per fault (examples + shrink steps; beyond it the search
+# keeps the smallest failing case found so far).
+SEARCH_RUNS = {"quick": 24, "full": 200}
+EXPENSIVE_SEARCH_RUNS = {"quick": 3, "full": 12}
+
+
+class UsageError(Exception):
+    """Bad input: one line, exit 2."""
+
+
+@dataclass
+class FaultResult:
+    spec: FaultSpec
+    verdicts: list[Verdict] = field(default_factory=list)
+    minimal: Verdict | None = None
+    minimal_case: Case | None = None
+    search_runs: int = 0
+    search_note: str = ""
+    seconds: float = 0.0
+
+    @property
+    def failing(self) -> list[Verdict]:
+        return [v for v in self.verdicts if v.status in (FAIL, CRASH)]
+
+    @property
+    def ran(self) -> list[Verdict]:
+        return [v for v in self.verdicts if v.status != SKIP]
+
+    @property
+    def caught(self) -> bool:
+        return bool(self.failing)
+
+    @property
+    def checks(self) -> Counter[str]:
+        return fired(self.failing)
+
+    @property
+    def expected_fired(self) -> bool:
+        return bool(set(self.checks) & set(self.spec.expect))
+
+
+@dataclass
+class BackendResult:
+    name: str
+    verdicts: list[Verdict] = field(default_factory=list)
+    error: str = ""
+    seconds: float = 0.0
+
+    @property
+    def false_alarms(self) -> list[Verdict]:
+        return [v for v in self.verdicts if v.status in (FAIL, CRASH)]
+
+    def count(self, status: str) -> int:
+        return sum(v.status == status for v in self.verdicts)
+
+
+def fired(verdicts: Sequence[Verdict]) -> Counter[str]:
+    """Which checks failed, over verdicts (a CRASH counts as "crash")."""
+    c: Counter[str] = Counter()
+    for v in verdicts:
+        if v.status == CRASH:
+            c["crash"] += 1
+        c.update(ch.name for ch in v.failed_checks)
+    return c
+
+
+def regions(verdicts: Sequence[Verdict]) -> list[str]:
+    """Pool byte regions of the failure locations (large-KV cases only), most frequent first."""
+    c: Counter[str] = Counter(w.region for v in verdicts for w in v.where if w.region)
+    return [r for r, _ in c.most_common()]
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _run_options(device: str, repeat: int) -> Any:
+    from mlacheck.harness import RunOptions
+
+    return RunOptions(device=device, repeat=repeat)
+
+
+def build(spec: FaultSpec, inner: str | None) -> Any:
+    """A fresh instance, planted in `inner` where the fault's mechanism allows it (an AITER
+    adapter fault in `aiter`, a wrapper around any backend), else in its default backend."""
+    if inner is None or inner == spec.inner:
+        return spec.build()
+    try:
+        return spec.build(inner)
+    except ValueError:
+        return spec.build()
+
+
+def run_fault(spec: FaultSpec, cases: Sequence[Any], device: str, quick: bool,
+              groups_known: bool, inner: str | None = None) -> FaultResult:
+    """One fault instance over the matrix cases (its own groups under --quick)."""
+    from mlacheck.harness import run_case
+
+    res = FaultResult(spec)
+    start = time.perf_counter()
+    backend = build(spec, inner)
+    opts = _run_options(device, 2 if spec.determinism else 1)
+    for mc in cases:
+        if quick and groups_known and mc.group not in spec.groups:
+            continue
+        res.verdicts.append(run_case(mc.case, backend, opts))
+    res.seconds = time.perf_counter() - start
+    return res
+
+
+def search_fault(res: FaultResult, device: str, budget: int, inner: str | None = None) -> None:
+    """Hypothesis search for the fault's simplest failing case (see module docstring).
+
+    The settings are strategies.find_failing_case's (derandomized, no example database, no
+    deadline); on top of it: the run options the fault needs (a repeated run for a
+    determinism fault), a fresh instance primed with the spec's priming case for every
+    example of a stateful fault, and a cap of `budget` backend runs.
+    """
+    from hypothesis import HealthCheck, Phase, Verbosity, find, settings
+    from hypothesis.errors import NoSuchExample
+
+    from mlacheck.backends.faults.search import strategy
+    from mlacheck.harness import run_case
+
+    spec = res.spec
+    opts = _run_options(device, 2 if spec.determinism else 1)
+    shared = None if spec.stateful else build(spec, inner)
+    priming = _priming_case(spec)
+    failing: dict[str, Verdict] = {}
+    seen: dict[str, bool] = {}  # Hypothesis replays the final example: answer it the same
+
+    def fails(case: Case) -> bool:
+        if case.id in seen:
+            return seen[case.id]
+        if res.search_runs >= budget:
+            return False
+        res.search_runs += 1
+        backend = shared
+        if backend is None:
+            backend = build(spec, inner)
+            if priming is not None:
+                run_case(priming, backend, opts)
+        v = run_case(case, backend, opts)
+        seen[case.id] = v.status in (FAIL, CRASH)
+        if seen[case.id]:
+            failing[case.id] = v
+        return seen[case.id]
+
+    search = settings(max_examples=budget, derandomize=True, database=None, deadline=None,
+                      verbosity=Verbosity.quiet, phases=(Phase.generate, Phase.shrink),
+                      suppress_health_check=list(HealthCheck))
+    try:
+        case = find(strategy(spec.search), fails, settings=search)
+    except NoSuchExample:
+        res.search_note = f"no failing case in {res.search_runs} runs"
+        return
+    res.minimal_case, res.minimal = case, failing[case.id]
+
+
+def _priming_case(spec: FaultSpec) -> Case | None:
+    if not spec.stateful:
+        return None
+    mod = importlib.import_module(spec.factory.partition(":")[0])
+    return getattr(mod, "PRIMING_CASE", None)
+
+
+def run_correct(name: str, cases_by_seed: Sequence[Sequence[Any]], device: str,
+                quick: bool) -> BackendResult:
+    from mlacheck.backends.registry import BackendError, resolve
+    from mlacheck.harness import run_case
+
+    res = BackendResult(name)
+    start = time.perf_counter()
+    try:
+        backend = resolve(name)
+    except BackendError as e:
+        res.error = str(e)
+        return res
+    for cases in cases_by_seed:
+        for mc in cases:
+            large = "large_kv" in mc.markers
+            if quick and large and name not in QUICK_LARGE_KV_BACKENDS:
+                continue
+            repeat = 1 if quick and large else 2
+            res.verdicts.append(run_case(mc.case, backend, _run_options(device, repeat)))
+    res.seconds = time.perf_counter() - start
+    return res
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def _by(res: FaultResult) -> str:
+    fails = res.failing
+    if not fails:
+        return f"0/{len(res.ran)}"
+    return f"{len(fails)}/{len(res.ran)}: {fails[0].case_id}"
+
+
+def _checks(res: FaultResult) -> str:
+    c = res.checks
+    text = ", ".join(f"{k} ({n})" for k, n in c.most_common())
+    where = [r for r in regions(res.failing) if r != "below 2^31"]
+    if where:
+        text += f"; at pool bytes {' / '.join(where)}"
+    return text or "-"
+
+
+def _minimal(res: FaultResult) -> str:
+    if res.minimal_case is None:
+        return res.search_note or "-"
+    assert res.minimal is not None
+    checks = ", ".join(fired([res.minimal]))
+    return f"{res.minimal_case.slug}: {checks} ({res.search_runs} runs)"
+
+
+def render(faults: Sequence[FaultResult], correct: Sequence[BackendResult],
+           out: Callable[[Any], None] | None = None, width: int | None = None) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console(width=width or (None if sys.stdout.isatty() else 240), soft_wrap=False)
+    emit = out or console.print
+    t = Table(title="mlacheck selftest: planted faults", show_lines=False)
+    for col in ("fault", "class", "caught", "by (n cases, first case id)", "checks that fired",
+                "minimal case (Hypothesis search)"):
+        t.add_column(col, overflow="fold")
+    for r in faults:
+        caught = "yes" if r.caught else "NO"
+        if r.caught and not r.expected_fired:
+            caught += " (unexpected check)"
+        t.add_row(*(escape(x) for x in (r.spec.name, r.spec.class_label, caught, _by(r),
+                                         _checks(r), _minimal(r))))
+    emit(t)
+    c = Table(title="correct backends (false alarms)")
+    for col in ("backend", "cases run", "PASS", "SKIP", "false alarms", "first false alarm"):
+        c.add_column(col, overflow="fold")
+    for b in correct:
+        if b.error:
+            c.add_row(b.name, "-", "-", "-", "ERROR", escape(b.error))
+            continue
+        fa = b.false_alarms
+        first = f"{fa[0].status} {fa[0].case_id}: {fa[0].reason}" if fa else "-"
+        c.add_row(b.name, str(len(b.verdicts)), str(b.count(PASS)), str(b.count(SKIP)),
+                  str(len(fa)), escape(first))
+    emit(c)
+
+
+def to_json(faults: Sequence[FaultResult], correct: Sequence[BackendResult],
+            meta: dict[str, Any]) -> dict[str, Any]:
+    def verdict_brief(v: Verdict) -> dict[str, Any]:
+        return {"case_id": v.case_id, "status": v.status, "reason": v.reason,
+                "checks": sorted(fired([v]))}
+
+    return {
+        **meta,
+        "faults": [{
+            "name": r.spec.name, "class": r.spec.bug_class, "mechanism": r.spec.mechanism,
+            "inner": r.spec.inner, "ops": list(r.spec.ops), "groups": list(r.spec.groups),
+            "expect": list(r.spec.expect), "caught": r.caught,
+            "expected_check_fired": r.expected_fired, "cases_run": len(r.ran),
+            "failing": [verdict_brief(v) for v in r.failing], "checks": dict(r.checks),
+            "regions": regions(r.failing), "seconds": round(r.seconds, 2),
+            "minimal_case": None if r.minimal_case is None else json.loads(
+                r.minimal_case.to_json()),
+            "minimal_slug": None if r.minimal_case is None else r.minimal_case.slug,
+            "minimal_verdict": None if r.minimal is None else verdict_brief(r.minimal),
+            "search_runs": r.search_runs, "search_note": r.search_note,
+        } for r in faults],
+        "correct": [{
+            "backend": b.name, "error": b.error, "cases_run": len(b.verdicts),
+            "pass": b.count(PASS), "skip": b.count(SKIP),
+            "false_alarms": [verdict_brief(v) for v in b.false_alarms],
+            "seconds": round(b.seconds, 2),
+        } for b in correct],
+    }
+
+
+# --------------------------------------------------------------------------- main
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="mlacheck selftest", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help="CPU-sized (CI): each fault on its own matrix groups, small search "
+                        "budgets, large-KV cases on torch and aiter-model only")
+    p.add_argument("--matrix", default=DEFAULT_MATRIX,
+                   help="matrix name or .yaml path (default: selftest)")
+    p.add_argument("--no-search", dest="search", action="store_false",
+                   help="skip the Hypothesis minimal-case search")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="seeds of the correct-backend (false-alarm) part (default 1)")
+    p.add_argument("--fault", action="append", default=None, metavar="NAME",
+                   help="only this fault (repeatable; default: all)")
+    p.add_argument("--backend", action="append", default=None, metavar="NAME",
+                   help="only this correct backend (repeatable; default: the five built-ins)")
+    p.add_argument("--inner", default=None, metavar="NAME",
+                   help="plant the faults in this backend where their mechanism allows (e.g. "
+                        "aiter on a ROCm GPU); the others keep their default backend")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--device", default="cpu")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        return _main(args)
+    except UsageError as e:
+        print(f"mlacheck selftest: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _main(args: argparse.Namespace) -> int:
+    from mlacheck.matrices import MatrixError, load
+
+    if args.seeds < 1:
+        raise UsageError("--seeds must be >= 1")
+    unknown = [f for f in args.fault or [] if f.removeprefix("fault:") not in FAULTS]
+    if unknown:
+        raise UsageError(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(FAULTS)}")
+    specs = [FAULTS[f.removeprefix("fault:")] for f in args.fault] if args.fault else list(
+        FAULTS.values())
+    try:
+        matrices = [load(args.matrix, seed or None) for seed in range(args.seeds)]
+    except MatrixError as e:
+        raise UsageError(str(e)) from None
+    from mlacheck.backends.registry import available_names
+
+    bad = [b for b in [*(args.backend or []), *([args.inner] if args.inner else [])]
+           if b not in available_names() and ":" not in b]
+    if bad:
+        raise UsageError(f"unknown backend(s) {', '.join(bad)}")
+    matrix = matrices[0]
+    mode = "quick" if args.quick else "full"
+    groups = {mc.group for mc in matrix.cases}
+    groups_known = all(set(s.groups) <= groups for s in specs)
+    log = _logger()
+    log(f"selftest: matrix {matrix.name} ({len(matrix.cases)} cases), {len(specs)} faults, "
+        f"{mode}, device {args.device}")
+    start = time.perf_counter()
+    faults: list[FaultResult] = []
+    for spec in specs:
+        r = run_fault(spec, matrix.cases, args.device, args.quick, groups_known, args.inner)
+        if args.search:
+            from mlacheck.backends.faults.search import EXPENSIVE
+
+            budget = (EXPENSIVE_SEARCH_RUNS if spec.search in EXPENSIVE else SEARCH_RUNS)[mode]
+            t0 = time.perf_counter()
+            search_fault(r, args.device, budget, args.inner)
+            r.seconds += time.perf_counter() - t0
+        faults.append(r)
+        log(f"  fault {spec.name}: {'caught' if r.caught else 'NOT CAUGHT'} by "
+            f"{len(r.failing)}/{len(r.ran)} cases ({r.seconds:.1f}s)")
+    correct: list[BackendResult] = []
+    for name in args.backend or CORRECT_BACKENDS:
+        b = run_correct(name, [m.cases for m in matrices], args.device, args.quick)
+        correct.append(b)
+        log(f"  backend {name}: {len(b.verdicts)} runs, {len(b.false_alarms)} false alarms "
+            f"({b.seconds:.1f}s)")
+    render(faults, correct)
+    escaped = [r.spec.name for r in faults if not r.caught]
+    alarms = [b.name for b in correct if b.false_alarms or b.error]
+    total = time.perf_counter() - start
+    caught = len(faults) - len(escaped)
+    summary = (f"{caught}/{len(faults)} faults caught; "
+               f"{sum(len(b.false_alarms) for b in correct)} false alarms over "
+               f"{sum(len(b.verdicts) for b in correct)} correct-backend runs; {total:.0f}s")
+    if escaped:
+        summary += f"; ESCAPED: {', '.join(escaped)}"
+    if alarms:
+        summary += f"; FALSE ALARMS: {', '.join(alarms)}"
+    print(summary)
+    if args.json:
+        meta = {"matrix": matrix.name, "mode": mode, "seeds": args.seeds,
+                "device": args.device, "seconds": round(total, 1), "summary": summary}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(to_json(faults, correct, meta), indent=1,
+                                              default=str))
+    return EXIT_FAIL if escaped or alarms else EXIT_OK
+
+
+def _logger() -> Callable[[str], None]:
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    return log
+
+
+if __name__ == "__main__":
+    sys.exit(main())
