@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -86,7 +87,7 @@ def measure(case: PrefillCase | DecodeCase, device: str, precision: str) -> dict
 def phases(results: str) -> dict:
     tot: dict[str, float] = {}
     n = 0
-    for line in open(results):
+    for line in Path(results).read_text().splitlines():
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
