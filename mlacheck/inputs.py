@@ -238,3 +238,129 @@ def sparse_indices(case: SparseDecodeCase, gen: torch.Generator) -> torch.Tensor
 def _out_dtype(quant: Quant) -> torch.dtype:
     """Kernels write bf16 for bf16/fp8 inputs, fp16 for fp16, fp32 for fp32."""
     return {"fp16": torch.float16, "fp32": torch.float32}.get(quant.q, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- given tensors
+# Inputs built from real tensors instead of seeded random ones (mlacheck.e2e runs a model's
+# attention through a backend with these): quantised, laid out and guarded as build() does.
+
+
+def quantise_with_scale(
+    x: torch.Tensor, fmt_name: str, scale: torch.Tensor | float, device: torch.device | str
+) -> Quantised:
+    """`x` stored in `fmt_name` under a given dequantisation scale (e.g. a KV cache's fixed
+    per-layer scale) instead of one picked from `x` itself."""
+    s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    stored = fp8.quantize(x, fmt_name, s)
+    return Quantised(stored.to(device), s.to(device), fmt_name, x.float().to(device))
+
+
+def prefill_inputs_from_tensors(
+    case: PrefillCase,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    device: torch.device | str | None = None,
+) -> PrefillInputs:
+    """PrefillInputs for a (non-paged) `case` from given MHA-view tensors.
+
+    q [total_q, H, qk_head]; k [total_kv, H, qk_head] and v [total_kv, H, v_head] with the
+    segments concatenated, each segment's context tokens first, then its own (as build()
+    lays them out). Quantised per `case.quant` (q with the q format, k/v with the kv format,
+    scales by the case's policy); the output buffer is guarded.
+    """
+    if case.paging is not None:
+        raise ValueError("prefill_inputs_from_tensors builds non-paged prefill inputs only")
+    d, h = case.dims, case.num_heads
+    dev = q.device if device is None else device
+    want = {
+        "q": (q, (case.total_q, h, d.qk_head)),
+        "k": (k, (case.total_kv, h, d.qk_head)),
+        "v": (v, (case.total_kv, h, d.v_head)),
+    }
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, the case needs {shape}")
+    return PrefillInputs(
+        case=case,
+        q=quantise(q.float(), case.quant.q, case.quant, dev),
+        k=quantise(k.float(), case.quant.kv, case.quant, dev),
+        v=quantise(v.float(), case.quant.kv, case.quant, dev),
+        cu_seqlens_q=cu_seqlens([s.q_len for s in case.segments]).to(dev),
+        cu_seqlens_k=cu_seqlens([s.kv_len for s in case.segments]).to(dev),
+        out=kvcache.guarded_empty((case.total_q, h, d.v_head), _out_dtype(case.quant), dev),
+    )
+
+
+def decode_inputs_from_tensors(
+    case: DecodeCase,
+    q: torch.Tensor,
+    kv: list[torch.Tensor],
+    device: torch.device | str | None = None,
+    *,
+    pool: KVPool | None = None,
+    kv_scale: torch.Tensor | float | None = None,
+    gen: torch.Generator | None = None,
+) -> DecodeInputs:
+    """DecodeInputs for `case` from given absorbed queries and cached latents.
+
+    q [total_q, H, latent]: absorbed queries `[q_nope · W_UK ‖ q_pe]`, quantised per
+    `case.quant.q`. kv: per request, its latents `[kv_len, 1, latent]` (or `[kv_len, latent]`)
+    in logical order, unquantised; stored in `case.quant.kv` under one per-tensor scale:
+    `kv_scale` when given (a cache's fixed scale), else the pool's scale when a pool is given,
+    else the one the case's policy picks from all requests' values (as build() does).
+
+    pool: a paged pool that already holds exactly these stored tokens (a serving engine's
+    cache; its page table must describe the case's requests). None: one is laid out with the
+    case's placement through kvcache.assign_pages / build_pool, seeded by `gen` (default: the
+    case's generator).
+    """
+    d, h = case.dims, case.num_heads
+    dev = q.device if device is None else device
+    if tuple(q.shape) != (case.total_q, h, d.latent):
+        raise ValueError(f"q has shape {tuple(q.shape)}, the case needs {(case.total_q, h, d.latent)}")
+    if len(kv) != len(case.requests):
+        raise ValueError(f"{len(kv)} kv tensors for {len(case.requests)} requests")
+    lens = [r.kv_len for r in case.requests]
+    kv3 = [t.reshape(t.shape[0], 1, -1) if t.dim() == 2 else t for t in kv]
+    for r, (t, n) in enumerate(zip(kv3, lens, strict=True)):
+        if tuple(t.shape) != (n, 1, d.latent):
+            raise ValueError(f"kv[{r}] has shape {tuple(t.shape)}, the case needs {(n, 1, d.latent)}")
+    if case.quant.per_token and fp8.fmt(case.quant.kv).is_fp8:
+        raise ValueError("per-token KV scales are not modelled for paged pools; use per-tensor")
+    kv_all = torch.cat([t.float() for t in kv3])
+    if kv_scale is None and pool is not None:
+        kv_scale = pool.scale
+    if kv_scale is None:
+        kvq = quantise(kv_all, case.quant.kv, case.quant, dev)
+    else:
+        kvq = quantise_with_scale(kv_all, case.quant.kv, kv_scale, dev)
+    cuts = cu_seqlens(lens).tolist()
+    parts = [
+        Quantised(kvq.stored[a:b], kvq.scale, kvq.fmt, kvq.ideal[a:b])
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True)
+    ]
+    if pool is None:
+        page_bytes = case.page_size * d.latent * fp8.fmt(case.quant.kv).itemsize
+        g = generator(case) if gen is None else gen
+        table, n_pages = kvcache.assign_pages(lens, case.page_size, page_bytes, case.placement, g)
+        pool = kvcache.build_pool(
+            [p.stored for p in parts], table, n_pages, kvq.fmt, kvq.scale, dev, "linear",
+            "latent", case.placement.tail_poison,
+        )
+    else:
+        if pool.table.page_size != case.page_size or pool.table.kv_lens.tolist() != lens:
+            raise ValueError(
+                f"pool table (page size {pool.table.page_size}, kv lens "
+                f"{pool.table.kv_lens.tolist()}) does not describe the case's requests"
+            )
+        if pool.fmt != case.quant.kv:
+            raise ValueError(f"pool holds {pool.fmt}, the case's kv format is {case.quant.kv}")
+    return DecodeInputs(
+        case=case,
+        q=quantise(q.float(), case.quant.q, case.quant, dev),
+        kv=parts,
+        pool=pool,
+        qo_indptr=cu_seqlens([r.q_len for r in case.requests]).to(dev),
+        out=kvcache.guarded_empty((case.total_q, h, d.kv_lora_rank), _out_dtype(case.quant), dev),
+    )

@@ -1,0 +1,113 @@
+"""`python -m mlacheck.e2e`: problem data, held-out accuracy, and the GSM8K gate run with the
+e2e model (attention through a named mlacheck backend).
+
+    python -m mlacheck.e2e data DIR [--n-train 200] [--n-test 500]
+    python -m mlacheck.e2e eval --model references/e2e_model --backend torch --n 200
+    python -m mlacheck.e2e gate --model references/e2e_model --backend torch \\
+        --kv fp8_e4m3fn --q fp8_e4m3fn --data-dir DIR --limit 200 --out runs/e2e-fp8.json
+
+Exit status: 0 success, 2 error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from mlacheck.spec import FORMATS, Placement, Quant
+
+
+def _attention_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", type=Path, default=Path("references/e2e_model"))
+    ap.add_argument("--backend", default="torch", help="mlacheck backend name or pkg.mod:factory")
+    ap.add_argument("--q", default="bf16", choices=FORMATS, help="q format handed to the backend")
+    ap.add_argument("--kv", default="bf16", choices=FORMATS, help="k/v and latent cache format")
+    ap.add_argument("--scale", default="amax", choices=("amax", "unit"), help="FP8 scale policy")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--placement", default="shuffled", choices=("packed", "shuffled"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch-size", type=int, default=128)
+
+
+def _runner(args: argparse.Namespace):  # noqa: ANN202
+    from mlacheck.backends.registry import resolve
+    from mlacheck.e2e.checkpoint import load_model
+    from mlacheck.e2e.runner import AttentionConfig, MLARunner
+    from mlacheck.e2e.tokenizer import load_tokenizer
+
+    att = AttentionConfig(
+        quant=Quant(q=args.q, kv=args.kv, scale=args.scale), page_size=args.page_size,
+        placement=Placement(kind=args.placement),
+    )
+    model = load_model(args.model, device=args.device, dtype=torch.float32)
+    tok = load_tokenizer(args.model, model.config.bos_token_id, model.config.eos_token_id)
+    return MLARunner(model, resolve(args.backend), att), tok
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mlacheck.e2e", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("data", help="write train.jsonl / test.jsonl (GSM8K format)")
+    d.add_argument("dir", type=Path)
+    d.add_argument("--n-train", type=int, default=200)
+    d.add_argument("--n-test", type=int, default=500)
+    d.add_argument("--seed", type=int, default=0)
+    e = sub.add_parser("eval", help="held-out accuracy through the runner (no lm-eval)")
+    _attention_args(e)
+    e.add_argument("--n", type=int, default=200)
+    g = sub.add_parser("gate", help="run GSM8K through lm-eval with the e2e model")
+    _attention_args(g)
+    g.add_argument("--data-dir", type=Path, required=True, help="see `data`")
+    g.add_argument("--out", type=Path, required=True, help="run record (JSON)")
+    g.add_argument("--limit", type=int, default=None)
+    g.add_argument("--num-fewshot", type=int, default=0)
+    g.add_argument("--max-gen-toks", type=int, default=128)
+    g.add_argument("--label", default=None)
+    args = ap.parse_args(argv)
+
+    from mlacheck.backends.registry import BackendError
+    from mlacheck.e2e.config import E2EError
+    from mlacheck.gate.errors import GateError
+
+    try:
+        if args.cmd == "data":
+            from mlacheck.e2e.problems import write_gsm8k_dir
+
+            out = write_gsm8k_dir(args.dir, args.n_train, args.n_test, args.seed)
+            print(f"wrote {out / 'train.jsonl'} and {out / 'test.jsonl'}")
+        elif args.cmd == "eval":
+            from mlacheck.e2e.evaluate import evaluate_runner
+            from mlacheck.e2e.problems import held_out_set
+
+            runner, tok = _runner(args)
+            res = evaluate_runner(runner, tok, held_out_set(args.n), batch_size=args.batch_size)
+            print(f"held-out accuracy {res.accuracy:.2%} ({res.correct}/{res.n}) with backend "
+                  f"{runner.backend.name}, {runner.attention.quant.slug}, {res.seconds:.0f} s")
+        else:
+            from mlacheck.e2e.lm import MLACheckLM
+            from mlacheck.gate.lmeval_runner import RunSettings, run_gsm8k
+
+            runner, tok = _runner(args)
+            lm = MLACheckLM(runner, tok, batch_size=args.batch_size)
+            label = args.label or f"e2e:{args.model.name}"
+            rec = run_gsm8k(lm, RunSettings(
+                out=args.out, model_label=label, num_fewshot=args.num_fewshot, limit=args.limit,
+                data_dir=args.data_dir, max_gen_toks=args.max_gen_toks,
+                kv_dtype=args.kv, attention_backend=args.backend,
+                extra={"q_dtype": args.q, "scale": args.scale, "page_size": str(args.page_size)},
+            ))
+            acc = rec.metrics["strict-match"].accuracy
+            print(f"wrote {args.out}: strict-match {acc:.2%} on {len(rec.samples)} questions")
+    except (E2EError, GateError, BackendError, ValueError) as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

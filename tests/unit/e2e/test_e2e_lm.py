@@ -1,0 +1,85 @@
+"""MLACheckLM: lm-eval's generate_until over the runner, and the gate run end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _e2e_helpers import tiny_model
+
+from mlacheck.backends.torch_ref import TorchBackend
+from mlacheck.e2e.checkpoint import save_model
+from mlacheck.e2e.config import E2EError
+from mlacheck.e2e.problems import write_gsm8k_dir
+from mlacheck.e2e.runner import AttentionConfig, MLARunner
+from mlacheck.e2e.tokenizer import CharTokenizer
+from mlacheck.spec import Quant
+
+pytest.importorskip("lm_eval", reason="needs lm-eval")
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from mlacheck.e2e.lm import MLACheckLM  # noqa: E402
+
+FP32 = AttentionConfig(quant=Quant(q="fp32", kv="fp32"))
+
+
+def _inst(i: int, context: str, **gen: Any) -> Instance:
+    return Instance("generate_until", {"question": context}, (context, gen), i, ("t", i, 1))
+
+
+def _lm(batch_size: int = 2) -> MLACheckLM:
+    model = tiny_model()  # vocab 100 = the character tokenizer's
+    return MLACheckLM(MLARunner(model, TorchBackend(), FP32), CharTokenizer(), batch_size)
+
+
+def test_generate_until_is_greedy_batched_and_cut_at_stop_strings() -> None:
+    lm = _lm()
+    tok = lm.tok
+    contexts = ["Question: 1 + 1?\nAnswer:", "Hi", "Question: What is 12 * 3?\nAnswer:"]
+    free = [tok.decode(t) for t in lm.runner.generate([tok.encode(c) for c in contexts], 12)]
+    # what the model says unconstrained, alone, one prompt at a time
+    alone = [
+        tok.decode(MLARunner(lm.runner.model, TorchBackend(), FP32).generate([tok.encode(c)], 12)[0])
+        for c in contexts
+    ]
+    assert free == alone
+    stop = free[0][3:5]  # a stop string that occurs in the first answer
+    hooked: list[tuple[Any, str]] = []
+
+    class Hook:
+        def add_partial(self, attr: str, req: Any, res: str) -> None:
+            hooked.append((req, res))
+
+    lm.set_cache_hook(Hook())  # type: ignore[arg-type]
+    reqs = [_inst(i, c, until=[stop], max_gen_toks=12, do_sample=False) for i, c in enumerate(contexts)]
+    out = lm.generate_until(reqs)
+    assert out[0] == free[0].split(stop)[0]
+    for o, f in zip(out[1:], free[1:], strict=True):
+        assert o == f.split(stop)[0]
+    assert sorted(r for _, r in hooked) == sorted(out)
+    assert lm.generate_until([_inst(0, contexts[2], until="Question:", max_gen_toks=4)]) == [
+        free[2][:4].split("Question:")[0]
+    ]
+    with pytest.raises(E2EError, match="greedily"):
+        lm.generate_until([_inst(0, "x", do_sample=True, temperature=0.7)])
+    with pytest.raises(NotImplementedError, match="only generates"):
+        lm.loglikelihood([])
+
+
+def test_gate_run_through_lm_eval(tmp_path: Path) -> None:
+    """The whole path: lm-eval's gsm8k task (offline data, 0-shot) -> MLACheckLM -> runner
+    -> backend; a random model answers nothing right, but every question is answered."""
+    from mlacheck.gate.lmeval_runner import RunSettings, run_gsm8k
+
+    data = write_gsm8k_dir(tmp_path / "data", n_train=5, n_test=6)
+    model_dir = tmp_path / "model"
+    save_model(tiny_model(), model_dir, dtype=torch.float32)
+    CharTokenizer().save(model_dir)
+    lm = MLACheckLM.from_pretrained(model_dir, backend="torch", attention=FP32, batch_size=4)
+    rec = run_gsm8k(lm, RunSettings(out=tmp_path / "run.json", model_label="tiny", num_fewshot=0,
+                                    data_dir=data, max_gen_toks=8))
+    assert rec.complete and len(rec.samples) == 6
+    assert rec.metadata.backend == "in-process:MLACheckLM"
+    assert lm.runner.counts.prefill == 2  # 6 questions in batches of 4

@@ -1,0 +1,106 @@
+"""The model is transformers' DeepseekV3ForCausalLM (same names, same numbers), and its MLA
+pieces give the same attention in the MHA and the absorbed view."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _e2e_helpers import tiny_config, tiny_model
+
+from mlacheck.e2e.model import MLAModel, math_attention, sdpa_attention
+from mlacheck.inputs import absorb_q, unabsorb_out
+
+
+def _hf(model: MLAModel):  # noqa: ANN202
+    transformers = pytest.importorskip("transformers", reason="needs transformers")
+    hc = transformers.DeepseekV3Config.from_dict(model.config.to_dict())
+    hc._attn_implementation = "eager"
+    hf = transformers.DeepseekV3ForCausalLM(hc).eval()
+    state = dict(model.state_dict())
+    hf_state = hf.state_dict()
+    # transformers 5 keeps routed experts fused: gate_up_proj [E, 2I, H], down_proj [E, H, I]
+    for name in list(hf_state):
+        if name.endswith("mlp.experts.gate_up_proj"):
+            pre = name.removesuffix("gate_up_proj")
+            n = hf_state[name].shape[0]
+            state[name] = torch.stack([
+                torch.cat([state.pop(f"{pre}{e}.gate_proj.weight"),
+                           state.pop(f"{pre}{e}.up_proj.weight")]) for e in range(n)
+            ])
+            state[pre + "down_proj"] = torch.stack(
+                [state.pop(f"{pre}{e}.down_proj.weight") for e in range(n)]
+            )
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and not [m for m in missing if "rotary" not in m], (missing, unexpected)
+    return hf
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"q_lora_rank": 24},
+        {"rope_interleave": False},
+        {"rope_scaling": None},
+        {"tie_word_embeddings": True},
+        # mixture of experts: layer 1 routed (V3 noaux_tc: sigmoid, groups, correction bias)
+        {"first_k_dense_replace": 1, "n_routed_experts": 8, "n_shared_experts": 1,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_group": 2, "topk_group": 1,
+         "routed_scaling_factor": 2.5},
+    ],
+    ids=["dense", "q-lora", "no-interleave", "no-yarn", "tied", "moe"],
+)
+def test_logits_match_transformers(over: dict) -> None:
+    model = tiny_model(**over)
+    if over.get("n_routed_experts"):
+        with torch.no_grad():  # a non-zero correction bias, so that it matters
+            gate = model.model.layers[1].mlp.gate
+            gate.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, 8))
+    hf = _hf(model)
+    ids = torch.randint(0, 100, (2, 29), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(ids, math_attention), hf(ids).logits
+    assert hf.model.layers[0].self_attn.scaling == pytest.approx(model.config.softmax_scale)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    # and the training path (SDPA) agrees with the written-out softmax
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, sdpa_attention), ours, rtol=1e-4, atol=1e-4)
+
+
+def test_mha_and_absorbed_views_agree() -> None:
+    """softmax(q·k / s) v in the MHA view == the absorbed view through W_UK / W_UV, with the
+    SAME softmax scale (the model's, YaRN mscale included)."""
+    model = tiny_model()
+    attn = model.model.layers[0].self_attn
+    t = 11
+    x = torch.randn(t, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    cos, sin = model.rotary.cos_sin(torch.arange(t))
+    with torch.no_grad():
+        q_nope, q_pe = attn.queries(x, cos, sin)
+        c_kv, k_pe = attn.latents(x, cos, sin)
+        k_nope, v = attn.expand(c_kv)
+        w = attn.absorption()
+        scale = model.config.softmax_scale
+        q = torch.cat([q_nope, q_pe], -1).transpose(0, 1)
+        k = torch.cat([k_nope, k_pe[:, None].expand(-1, attn.num_heads, -1)], -1).transpose(0, 1)
+        mha = math_attention(q, k, v.transpose(0, 1), scale).transpose(0, 1)
+        qa = absorb_q(q_nope, q_pe, w).transpose(0, 1)  # [H, T, latent]
+        lat = torch.cat([c_kv, k_pe], -1)[None]  # one shared latent "head"
+        o_lat = math_attention(qa, lat, lat[..., : model.config.kv_lora_rank], scale)
+        absorbed = unabsorb_out(o_lat.transpose(0, 1), w)
+    torch.testing.assert_close(absorbed, mha, rtol=1e-4, atol=1e-5)
+
+
+def test_v2_softmax_router_picks_the_top_experts() -> None:
+    cfg = tiny_config(first_k_dense_replace=0, n_routed_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=8, scoring_func="softmax", topk_method="greedy",
+                      model_type="deepseek_v2", norm_topk_prob=False, routed_scaling_factor=1.0)
+    router = MLAModel(cfg).model.layers[0].mlp.gate
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(4, cfg.hidden_size))
+    x = torch.zeros(1, cfg.hidden_size)
+    x[0, :4] = torch.tensor([0.0, 3.0, 1.0, 2.0])
+    w, idx = router(x)
+    assert sorted(idx[0].tolist()) == [1, 3]
+    p = torch.softmax(x[0, :4], 0)
+    assert sorted(w[0].tolist()) == pytest.approx(sorted([p[1].item(), p[3].item()]))
