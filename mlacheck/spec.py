@@ -295,8 +295,41 @@ class PrefillCase(_CaseBase):
         return "-".join(p for p in parts if p)
 
 
+class _Requests:
+    """What decode and sparse decode cases share: requests in a paged latent pool."""
+
+    requests: tuple[Request, ...]
+    num_heads: int
+    page_size: int
+    quant: Quant
+    seed: int
+
+    def _check_decode(self) -> None:
+        _check_common(self.num_heads, self.seed)
+        _check_page_size(self.page_size)
+        _check_requests(self.requests)
+        _check_pool_quant(self.quant)
+
+    @property
+    def total_q(self) -> int:
+        return sum(r.q_len for r in self.requests)
+
+    @property
+    def max_q_len(self) -> int:
+        return max(r.q_len for r in self.requests)
+
+    def _batch_slug(self, kind: str) -> list[str]:
+        kv = [r.kv_len for r in self.requests]
+        return [
+            kind,
+            f"b{len(self.requests)}",
+            f"mtp{self.max_q_len}" if self.max_q_len > 1 else "",
+            f"kv{max(kv)}" if min(kv) == max(kv) else f"kv{min(kv)}-{max(kv)}",
+        ]
+
+
 @dataclass(frozen=True)
-class DecodeCase(_CaseBase):
+class DecodeCase(_Requests, _CaseBase):
     """Absorbed-MQA decode (q 576, kv 576 latent, out 512) over a paged latent pool."""
 
     kind: ClassVar[str] = "decode"
@@ -311,27 +344,12 @@ class DecodeCase(_CaseBase):
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_common(self.num_heads, self.seed)
-        _check_page_size(self.page_size)
-        _check_requests(self.requests)
-        _check_pool_quant(self.quant)
-
-    @property
-    def total_q(self) -> int:
-        return sum(r.q_len for r in self.requests)
-
-    @property
-    def max_q_len(self) -> int:
-        return max(r.q_len for r in self.requests)
+        self._check_decode()
 
     @property
     def slug(self) -> str:
-        kv = [r.kv_len for r in self.requests]
         parts = [
-            "dec",
-            f"b{len(self.requests)}",
-            f"mtp{self.max_q_len}" if self.max_q_len > 1 else "",
-            f"kv{max(kv)}" if min(kv) == max(kv) else f"kv{min(kv)}-{max(kv)}",
+            *self._batch_slug("dec"),
             f"h{self.num_heads}",
             f"p{self.page_size}",
             self.quant.slug,
@@ -342,7 +360,7 @@ class DecodeCase(_CaseBase):
 
 
 @dataclass(frozen=True)
-class SparseDecodeCase(_CaseBase):
+class SparseDecodeCase(_Requests, _CaseBase):
     """DeepSeek-V3.2 sparse decode: each query token attends to its own top-k kv positions.
 
     Token i of a request sees the causal prefix `kv_len - q_len + i + 1`; it selects
@@ -364,31 +382,16 @@ class SparseDecodeCase(_CaseBase):
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_common(self.num_heads, self.seed)
-        _check_page_size(self.page_size)
-        _check_requests(self.requests)
-        _check_pool_quant(self.quant)
+        self._check_decode()
         if self.topk < 1:
             raise ValueError("topk must be >= 1")
         if self.valid_cap is not None and not 0 <= self.valid_cap <= self.topk:
             raise ValueError("valid_cap must be in [0, topk]")
 
     @property
-    def total_q(self) -> int:
-        return sum(r.q_len for r in self.requests)
-
-    @property
-    def max_q_len(self) -> int:
-        return max(r.q_len for r in self.requests)
-
-    @property
     def slug(self) -> str:
-        kv = [r.kv_len for r in self.requests]
         parts = [
-            "sparse",
-            f"b{len(self.requests)}",
-            f"mtp{self.max_q_len}" if self.max_q_len > 1 else "",
-            f"kv{max(kv)}" if min(kv) == max(kv) else f"kv{min(kv)}-{max(kv)}",
+            *self._batch_slug("sparse"),
             f"top{self.topk}",
             f"cap{self.valid_cap}" if self.valid_cap is not None else "",
             f"h{self.num_heads}",
