@@ -318,14 +318,16 @@ def decode_inputs_from_tensors(
     d, h = case.dims, case.num_heads
     dev = q.device if device is None else device
     if tuple(q.shape) != (case.total_q, h, d.latent):
-        raise ValueError(f"q has shape {tuple(q.shape)}, the case needs {(case.total_q, h, d.latent)}")
+        want_q = (case.total_q, h, d.latent)
+        raise ValueError(f"q has shape {tuple(q.shape)}, the case needs {want_q}")
     if len(kv) != len(case.requests):
         raise ValueError(f"{len(kv)} kv tensors for {len(case.requests)} requests")
     lens = [r.kv_len for r in case.requests]
     kv3 = [t.reshape(t.shape[0], 1, -1) if t.dim() == 2 else t for t in kv]
     for r, (t, n) in enumerate(zip(kv3, lens, strict=True)):
         if tuple(t.shape) != (n, 1, d.latent):
-            raise ValueError(f"kv[{r}] has shape {tuple(t.shape)}, the case needs {(n, 1, d.latent)}")
+            want = (n, 1, d.latent)
+            raise ValueError(f"kv[{r}] has shape {tuple(t.shape)}, the case needs {want}")
     if case.quant.per_token and fp8.fmt(case.quant.kv).is_fp8:
         raise ValueError("per-token KV scales are not modelled for paged pools; use per-tensor")
     kv_all = torch.cat([t.float() for t in kv3])

@@ -31,6 +31,12 @@ def _attention_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--placement", default="shuffled", choices=("packed", "shuffled"))
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (on CPU, 1 is often fastest: tiny per-request ops)",
+    )
 
 
 def _runner(args: argparse.Namespace):  # noqa: ANN202
@@ -39,8 +45,11 @@ def _runner(args: argparse.Namespace):  # noqa: ANN202
     from mlacheck.e2e.runner import AttentionConfig, MLARunner
     from mlacheck.e2e.tokenizer import load_tokenizer
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     att = AttentionConfig(
-        quant=Quant(q=args.q, kv=args.kv, scale=args.scale), page_size=args.page_size,
+        quant=Quant(q=args.q, kv=args.kv, scale=args.scale),
+        page_size=args.page_size,
         placement=Placement(kind=args.placement),
     )
     model = load_model(args.model, device=args.device, dtype=torch.float32)
@@ -49,8 +58,11 @@ def _runner(args: argparse.Namespace):  # noqa: ANN202
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mlacheck.e2e", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m mlacheck.e2e",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("data", help="write train.jsonl / test.jsonl (GSM8K format)")
     d.add_argument("dir", type=Path)
@@ -86,8 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             runner, tok = _runner(args)
             res = evaluate_runner(runner, tok, held_out_set(args.n), batch_size=args.batch_size)
-            print(f"held-out accuracy {res.accuracy:.2%} ({res.correct}/{res.n}) with backend "
-                  f"{runner.backend.name}, {runner.attention.quant.slug}, {res.seconds:.0f} s")
+            print(
+                f"held-out accuracy {res.accuracy:.2%} ({res.correct}/{res.n}) with backend "
+                f"{runner.backend.name}, {runner.attention.quant.slug}, {res.seconds:.0f} s"
+            )
         else:
             from mlacheck.e2e.lm import MLACheckLM
             from mlacheck.gate.lmeval_runner import RunSettings, run_gsm8k
@@ -95,12 +109,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             runner, tok = _runner(args)
             lm = MLACheckLM(runner, tok, batch_size=args.batch_size)
             label = args.label or f"e2e:{args.model.name}"
-            rec = run_gsm8k(lm, RunSettings(
-                out=args.out, model_label=label, num_fewshot=args.num_fewshot, limit=args.limit,
-                data_dir=args.data_dir, max_gen_toks=args.max_gen_toks,
-                kv_dtype=args.kv, attention_backend=args.backend,
-                extra={"q_dtype": args.q, "scale": args.scale, "page_size": str(args.page_size)},
-            ))
+            rec = run_gsm8k(
+                lm,
+                RunSettings(
+                    out=args.out,
+                    model_label=label,
+                    num_fewshot=args.num_fewshot,
+                    limit=args.limit,
+                    data_dir=args.data_dir,
+                    max_gen_toks=args.max_gen_toks,
+                    kv_dtype=args.kv,
+                    attention_backend=args.backend,
+                    extra={
+                        "q_dtype": args.q,
+                        "scale": args.scale,
+                        "page_size": str(args.page_size),
+                    },
+                ),
+            )
             acc = rec.metrics["strict-match"].accuracy
             print(f"wrote {args.out}: strict-match {acc:.2%} on {len(rec.samples)} questions")
     except (E2EError, GateError, BackendError, ValueError) as exc:

@@ -75,7 +75,9 @@ def _block_size(cfg: ModelConfig) -> tuple[int, int] | None:
     return int(bs[0]), int(bs[1])
 
 
-def dequant_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def dequant_block_fp8(
+    w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
     """DeepSeek FP8 weight [out, in] with per-block dequantisation factors -> fp32."""
     out_f, in_f = w.shape
     s = scale_inv.float().repeat_interleave(block[0], 0)[:out_f].repeat_interleave(block[1], 1)
@@ -103,7 +105,9 @@ def load_model(
     def put(name: str, t: torch.Tensor) -> None:
         p = params[name]
         if tuple(t.shape) != tuple(p.shape):
-            raise E2EError(f"{name}: checkpoint shape {tuple(t.shape)}, model needs {tuple(p.shape)}")
+            raise E2EError(
+                f"{name}: checkpoint shape {tuple(t.shape)}, model needs {tuple(p.shape)}"
+            )
         with torch.no_grad():
             p.copy_(t.to(device=p.device, dtype=p.dtype))
         seen.add(name)
@@ -132,7 +136,9 @@ def load_model(
             else:
                 unexpected.append(name)
     if pending:
-        raise E2EError(f"FP8 weights without scales (or scales without weights): {sorted(pending)[:4]}")
+        raise E2EError(
+            f"FP8 weights without scales (or scales without weights): {sorted(pending)[:4]}"
+        )
     if unexpected:
         raise E2EError(
             f"{len(unexpected)} checkpoint tensors the model does not have, e.g. "

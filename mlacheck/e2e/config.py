@@ -110,8 +110,16 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.hidden_act != "silu":
             raise E2EError(f"hidden_act {self.hidden_act!r} not supported (DeepSeek uses silu)")
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+        ):
             if int(getattr(self, name)) < 1:
                 raise E2EError(f"config {name} must be >= 1, got {getattr(self, name)}")
         if self.qk_rope_head_dim % 2:
@@ -164,7 +172,11 @@ class ModelConfig:
         if self.q_lora_rank is None:
             q = h * heads * self.qk_head_dim
         else:
-            q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * self.qk_head_dim
+            q = (
+                h * self.q_lora_rank
+                + self.q_lora_rank
+                + self.q_lora_rank * heads * self.qk_head_dim
+            )
         attn = (
             q
             + h * (self.kv_lora_rank + self.qk_rope_head_dim)
@@ -210,8 +222,11 @@ class ModelConfig:
             d["eos_token_ids"] = eos
         if kwargs.get("first_k_dense_replace") is None:
             kwargs["first_k_dense_replace"] = 0
-        for key, default in (("routed_scaling_factor", 1.0), ("moe_layer_freq", 1),
-                             ("norm_topk_prob", True)):
+        for key, default in (
+            ("routed_scaling_factor", 1.0),
+            ("moe_layer_freq", 1),
+            ("norm_topk_prob", True),
+        ):
             if kwargs.get(key) is None:
                 kwargs[key] = default
         if kwargs.get("v_head_dim") is None:
@@ -219,9 +234,17 @@ class ModelConfig:
         if kwargs.get("rope_interleave") is None:
             kwargs.pop("rope_interleave", None)
         missing = [
-            n for n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                        "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
-                        "qk_rope_head_dim")
+            n
+            for n in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "kv_lora_rank",
+                "qk_nope_head_dim",
+                "qk_rope_head_dim",
+            )
             if kwargs.get(n) is None
         ]
         if missing:
@@ -312,6 +335,10 @@ def _rope_from(d: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
 
 # DeepSeek-V3 / R1's own rope scaling (config.json on the hub).
 DEEPSEEK_V3_ROPE_SCALING = RopeScaling(
-    factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
-    mscale=1.0, mscale_all_dim=1.0,
+    factor=40.0,
+    original_max_position_embeddings=4096,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=1.0,
 )

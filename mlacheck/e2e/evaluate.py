@@ -74,10 +74,13 @@ def evaluate_runner(
 
 def _score(problems: Sequence[Problem], texts: Sequence[str], seconds: float) -> EvalResult:
     samples = tuple(
-        (p.question, t, strict_answer(t) == str(p.final)) for p, t in zip(problems, texts, strict=True)
+        (p.question, t, strict_answer(t) == str(p.final))
+        for p, t in zip(problems, texts, strict=True)
     )
     return EvalResult(sum(s[2] for s in samples), len(samples), seconds, samples)
 
 
-def score_texts(problems: Sequence[Problem], texts: Sequence[str], seconds: float = 0.0) -> EvalResult:
+def score_texts(
+    problems: Sequence[Problem], texts: Sequence[str], seconds: float = 0.0
+) -> EvalResult:
     return _score(problems, texts, seconds)

@@ -83,13 +83,17 @@ class MLACheckLM(LM):  # type: ignore[misc]
         extra = additional_config or {}
         if "pretrained" not in args:
             raise E2EError("MLACheckLM needs pretrained=<model directory>")
-        quant = Quant(q=args.get("q", "bf16"), kv=args.get("kv", "bf16"),
-                      scale=args.get("scale", "amax"))  # type: ignore[arg-type]
+        quant = Quant(
+            q=args.get("q", "bf16"), kv=args.get("kv", "bf16"), scale=args.get("scale", "amax")
+        )  # type: ignore[arg-type]
         att = AttentionConfig(quant=quant, page_size=int(args.get("page_size", 16)))
         bs = extra.get("batch_size") or args.get("batch_size") or DEFAULT_BATCH_SIZE
         return cls.from_pretrained(
-            args["pretrained"], backend=args.get("backend", "torch"), attention=att,
-            device=args.get("device", "cpu"), batch_size=int(bs),
+            args["pretrained"],
+            backend=args.get("backend", "torch"),
+            attention=att,
+            device=args.get("device", "cpu"),
+            batch_size=int(bs),
         )
 
     # -- lm-eval API
@@ -130,7 +134,9 @@ class MLACheckLM(LM):  # type: ignore[misc]
         max_gen = int(gen_kwargs.get("max_gen_toks") or self.max_gen_toks)
         return tuple(s for s in until if s), max_gen
 
-    def generate(self, prompts: Sequence[list[int]], until: Sequence[str], max_gen: int) -> list[str]:
+    def generate(
+        self, prompts: Sequence[list[int]], until: Sequence[str], max_gen: int
+    ) -> list[str]:
         """Greedy continuations of encoded prompts, cut at the first stop string."""
         stops = tuple(until)
 

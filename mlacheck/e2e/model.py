@@ -36,7 +36,11 @@ DenseAttention = Callable[
 
 
 def sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
@@ -44,7 +48,11 @@ def sdpa_attention(
 
 
 def math_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention in fp32, written out (a reference for tests)."""
     t, s = q.shape[-2], k.shape[-2]
@@ -114,9 +122,11 @@ class Router(nn.Module):
         top_groups = max(1, int(cfg.topk_group or groups))
         if cfg.topk_method == "noaux_tc":
             choice = scores + self.e_score_correction_bias.float()
-            group_scores = choice.view(-1, groups, n_exp // groups).topk(
-                min(2, n_exp // groups), dim=-1
-            )[0].sum(-1)
+            group_scores = (
+                choice.view(-1, groups, n_exp // groups)
+                .topk(min(2, n_exp // groups), dim=-1)[0]
+                .sum(-1)
+            )
         elif cfg.topk_method == "group_limited_greedy":
             choice = scores
             group_scores = choice.view(-1, groups, n_exp // groups).amax(dim=-1)
@@ -223,7 +233,11 @@ class MLAAttention(nn.Module):
         return Weights(w_uk.contiguous(), w_uv.contiguous())
 
     def forward_dense(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: DenseAttention,
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: DenseAttention,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """MHA form over whole sequences: x [B, T, hidden] -> [B, T, hidden] (causal, or the
@@ -297,7 +311,11 @@ class MLAModel(nn.Module):
             elif name.endswith(".bias") or "e_score_correction_bias" in name:
                 nn.init.zeros_(p)
             else:
-                s = std / (2 * n_layers) ** 0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+                s = (
+                    std / (2 * n_layers) ** 0.5
+                    if name.endswith(("o_proj.weight", "down_proj.weight"))
+                    else std
+                )
                 with torch.no_grad():
                     p.copy_(torch.randn(p.shape, generator=gen) * s)
 

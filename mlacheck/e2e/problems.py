@@ -31,18 +31,50 @@ DEFAULT_SEED = 0
 SPLITS = ("train", "test")
 
 NAMES = (
-    ("Mia", "She"), ("Leo", "He"), ("Ava", "She"), ("Sam", "He"), ("Zoe", "She"),
-    ("Max", "He"), ("Lily", "She"), ("Ben", "He"), ("Emma", "She"), ("Tom", "He"),
-    ("Nora", "She"), ("Jack", "He"), ("Ella", "She"), ("Owen", "He"), ("Ruby", "She"),
+    ("Mia", "She"),
+    ("Leo", "He"),
+    ("Ava", "She"),
+    ("Sam", "He"),
+    ("Zoe", "She"),
+    ("Max", "He"),
+    ("Lily", "She"),
+    ("Ben", "He"),
+    ("Emma", "She"),
+    ("Tom", "He"),
+    ("Nora", "She"),
+    ("Jack", "He"),
+    ("Ella", "She"),
+    ("Owen", "He"),
+    ("Ruby", "She"),
     ("Liam", "He"),
 )
 OBJECTS = (
-    "apples", "pencils", "stickers", "marbles", "cookies", "books", "cards", "shells",
-    "toys", "stamps", "balloons", "candies", "eggs", "flowers", "coins", "crayons",
+    "apples",
+    "pencils",
+    "stickers",
+    "marbles",
+    "cookies",
+    "books",
+    "cards",
+    "shells",
+    "toys",
+    "stamps",
+    "balloons",
+    "candies",
+    "eggs",
+    "flowers",
+    "coins",
+    "crayons",
 )
 ITEMS = (
-    ("notebook", "notebooks"), ("pen", "pens"), ("toy car", "toy cars"), ("sandwich", "sandwiches"),
-    ("ticket", "tickets"), ("ball", "balls"), ("mug", "mugs"), ("kite", "kites"),
+    ("notebook", "notebooks"),
+    ("pen", "pens"),
+    ("toy car", "toy cars"),
+    ("sandwich", "sandwiches"),
+    ("ticket", "tickets"),
+    ("ball", "balls"),
+    ("mug", "mugs"),
+    ("kite", "kites"),
 )
 
 
@@ -84,30 +116,39 @@ Template = Callable[[random.Random, _Ctx], Drawn | None]
 
 def _add_buy(r: random.Random, c: _Ctx) -> Drawn:
     a, b = r.randint(2, 60), r.randint(2, 40)
-    q = f"{c.name} has {a} {c.obj}. {c.pron} buys {b} more. How many {c.obj} does {c.name} have now?"
+    q = (
+        f"{c.name} has {a} {c.obj}. {c.pron} buys {b} more. "
+        f"How many {c.obj} does {c.name} have now?"
+    )
     return (a, b), q, f"{c.name} has {a} + {b} = {a + b} {c.obj} now.", a + b
 
 
 def _add_bags(r: random.Random, c: _Ctx) -> Drawn:
     a, b = r.randint(2, 50), r.randint(2, 50)
-    q = (f"{c.name} has {a} {c.obj} in one bag and {b} {c.obj} in another bag. "
-         f"How many {c.obj} does {c.name} have altogether?")
+    q = (
+        f"{c.name} has {a} {c.obj} in one bag and {b} {c.obj} in another bag. "
+        f"How many {c.obj} does {c.name} have altogether?"
+    )
     return (a, b), q, f"{c.name} has {a} + {b} = {a + b} {c.obj} altogether.", a + b
 
 
 def _sub_give(r: random.Random, c: _Ctx) -> Drawn:
     a = r.randint(10, 90)
     b = r.randint(2, a - 2)
-    q = (f"{c.name} had {a} {c.obj}. {c.pron} gave {b} of them to {c.name2}. "
-         f"How many {c.obj} does {c.name} have left?")
+    q = (
+        f"{c.name} had {a} {c.obj}. {c.pron} gave {b} of them to {c.name2}. "
+        f"How many {c.obj} does {c.name} have left?"
+    )
     return (a, b), q, f"{c.name} has {a} - {b} = {a - b} {c.obj} left.", a - b
 
 
 def _sub_compare(r: random.Random, c: _Ctx) -> Drawn:
     a = r.randint(10, 90)
     b = r.randint(2, a - 2)
-    q = (f"{c.name} has {a} {c.obj} and {c.name2} has {b} {c.obj}. "
-         f"How many more {c.obj} does {c.name} have than {c.name2}?")
+    q = (
+        f"{c.name} has {a} {c.obj} and {c.name2} has {b} {c.obj}. "
+        f"How many more {c.obj} does {c.name} have than {c.name2}?"
+    )
     return (a, b), q, f"{c.name} has {a} - {b} = {a - b} more {c.obj}.", a - b
 
 
@@ -126,15 +167,19 @@ def _mul_pages(r: random.Random, c: _Ctx) -> Drawn:
 def _div_share(r: random.Random, c: _Ctx) -> Drawn:
     b, res = r.randint(2, 10), r.randint(2, 12)
     a = b * res
-    q = (f"{c.name} shares {a} {c.obj} equally among {b} friends. "
-         f"How many {c.obj} does each friend get?")
+    q = (
+        f"{c.name} shares {a} {c.obj} equally among {b} friends. "
+        f"How many {c.obj} does each friend get?"
+    )
     return (a, b), q, f"Each friend gets {a} / {b} = {res} {c.obj}.", res
 
 
 def _half(r: random.Random, c: _Ctx) -> Drawn:
     a = 2 * r.randint(2, 50)
-    q = (f"{c.name} had {a} {c.obj} and gave half of them to {c.name2}. "
-         f"How many {c.obj} does {c.name} have left?")
+    q = (
+        f"{c.name} had {a} {c.obj} and gave half of them to {c.name2}. "
+        f"How many {c.obj} does {c.name} have left?"
+    )
     return (a,), q, f"{c.name} has {a} / 2 = {a // 2} {c.obj} left.", a // 2
 
 
@@ -142,8 +187,10 @@ def _buy_give(r: random.Random, c: _Ctx) -> Drawn | None:
     a, b = r.randint(5, 50), r.randint(2, 30)
     s = a + b
     k = r.randint(2, s - 2)
-    q = (f"{c.name} has {a} {c.obj}. {c.pron} buys {b} more and then gives {k} to {c.name2}. "
-         f"How many {c.obj} does {c.name} have now?")
+    q = (
+        f"{c.name} has {a} {c.obj}. {c.pron} buys {b} more and then gives {k} to {c.name2}. "
+        f"How many {c.obj} does {c.name} have now?"
+    )
     body = f"{c.name} has {a} + {b} = {s} {c.obj}.\nThen {c.name} has {s} - {k} = {s - k} {c.obj}."
     return (a, b, k), q, body, s - k
 
@@ -151,8 +198,10 @@ def _buy_give(r: random.Random, c: _Ctx) -> Drawn | None:
 def _packs_plus(r: random.Random, c: _Ctx) -> Drawn:
     a, b, k = r.randint(2, 9), r.randint(2, 10), r.randint(2, 30)
     s = a * b
-    q = (f"{c.name} buys {a} packs of {c.obj}. Each pack has {b} {c.obj}. {c.pron} already had "
-         f"{k} {c.obj}. How many {c.obj} does {c.name} have now?")
+    q = (
+        f"{c.name} buys {a} packs of {c.obj}. Each pack has {b} {c.obj}. {c.pron} already had "
+        f"{k} {c.obj}. How many {c.obj} does {c.name} have now?"
+    )
     body = f"The packs have {a} * {b} = {s} {c.obj}.\n{c.name} has {s} + {k} = {s + k} {c.obj} now."
     return (a, b, k), q, body, s + k
 
@@ -165,8 +214,10 @@ def _change(r: random.Random, c: _Ctx) -> Drawn | None:
         return None
     m = r.choice(bills)
     one, many = c.item
-    q = (f"A {one} costs ${p}. {c.name} buys {n} {many} and pays with a ${m} bill. "
-         f"How much change does {c.name} get?")
+    q = (
+        f"A {one} costs ${p}. {c.name} buys {n} {many} and pays with a ${m} bill. "
+        f"How much change does {c.name} get?"
+    )
     body = f"The {many} cost {n} * {p} = ${s}.\nThe change is {m} - {s} = ${m - s}."
     return (p, n, m), q, body, m - s
 
@@ -175,8 +226,10 @@ def _wage_spend(r: random.Random, c: _Ctx) -> Drawn:
     w, h = r.randint(5, 15), r.randint(2, 8)
     s = w * h
     k = r.randint(2, s - 2)
-    q = (f"{c.name} earns ${w} per hour and works {h} hours. Then {c.pron.lower()} spends ${k}. "
-         f"How much money does {c.name} have left?")
+    q = (
+        f"{c.name} earns ${w} per hour and works {h} hours. Then {c.pron.lower()} spends ${k}. "
+        f"How much money does {c.name} have left?"
+    )
     body = f"{c.name} earns {w} * {h} = ${s}.\n{c.name} has {s} - {k} = ${s - k} left."
     return (w, h, k), q, body, s - k
 
@@ -184,9 +237,13 @@ def _wage_spend(r: random.Random, c: _Ctx) -> Drawn:
 def _times_together(r: random.Random, c: _Ctx) -> Drawn:
     a, b = r.randint(2, 15), r.randint(2, 5)
     s = a * b
-    q = (f"{c.name} has {a} {c.obj}. {c.name2} has {b} times as many {c.obj} as {c.name}. "
-         f"How many {c.obj} do they have together?")
-    body = f"{c.name2} has {a} * {b} = {s} {c.obj}.\nTogether they have {a} + {s} = {a + s} {c.obj}."
+    q = (
+        f"{c.name} has {a} {c.obj}. {c.name2} has {b} times as many {c.obj} as {c.name}. "
+        f"How many {c.obj} do they have together?"
+    )
+    body = (
+        f"{c.name2} has {a} * {b} = {s} {c.obj}.\nTogether they have {a} + {s} = {a + s} {c.obj}."
+    )
     return (a, b), q, body, a + s
 
 
@@ -195,8 +252,10 @@ def _buy_share(r: random.Random, c: _Ctx) -> Drawn:
     t = b * res
     a = r.randint(1, t - 1)
     k = t - a
-    q = (f"{c.name} has {a} {c.obj} and buys {k} more. {c.pron} shares them equally among "
-         f"{b} friends. How many {c.obj} does each friend get?")
+    q = (
+        f"{c.name} has {a} {c.obj} and buys {k} more. {c.pron} shares them equally among "
+        f"{b} friends. How many {c.obj} does each friend get?"
+    )
     body = f"{c.name} has {a} + {k} = {t} {c.obj}.\nEach friend gets {t} / {b} = {res} {c.obj}."
     return (a, k, b), q, body, res
 
@@ -241,7 +300,9 @@ def iter_problems(split: str, seed: int = DEFAULT_SEED) -> Iterator[Problem]:
         yield Problem(question, f"{body}\n#### {final}", final, template, numbers)
 
 
-def generate(n: int, split: str = "train", seed: int = DEFAULT_SEED, unique: bool = False) -> list[Problem]:
+def generate(
+    n: int, split: str = "train", seed: int = DEFAULT_SEED, unique: bool = False
+) -> list[Problem]:
     """The first n problems of a split's stream (with `unique`, distinct questions only)."""
     out: list[Problem] = []
     seen: set[str] = set()

@@ -34,7 +34,9 @@ def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     high = float(min(math.ceil(_correction_dim(rs.beta_slow, dim, base, orig)), dim - 1))
     if low == high:
         high += 0.001  # DeepSeek's yarn_linear_ramp_mask guard against a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
+        0, 1
+    )
     extra_mask = 1.0 - ramp
     inv = freq_inter * (1 - extra_mask) + freq_extra * extra_mask
     return inv.to(torch.float32)
@@ -62,7 +64,9 @@ class Rotary:
         return freqs.cos() * self.scale, freqs.sin() * self.scale
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
+) -> torch.Tensor:
     """Rotate the last dim of x; cos/sin broadcast against x[..., :d/2]. Computed in fp32."""
     xf = x.float()
     if interleave:

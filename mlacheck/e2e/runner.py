@@ -101,7 +101,9 @@ class PagedLatentCache:
         self.pools: list[KVPool | None] = [None] * n_layers
         self.scales: list[torch.Tensor] = [torch.ones(())] * n_layers
         # the unquantised latents (the "ideal" copy the inputs carry), [B, capacity, latent]
-        self.ideal = [torch.zeros((len(reserved), cap, latent), device=device) for _ in range(n_layers)]
+        self.ideal = [
+            torch.zeros((len(reserved), cap, latent), device=device) for _ in range(n_layers)
+        ]
 
     def fill(self, layer: int, per_request: Sequence[torch.Tensor]) -> None:
         """Write the prompts' latents ([len_r, latent] each) of one layer; fixes its scale."""
@@ -110,20 +112,32 @@ class PagedLatentCache:
         scale = fp8.pick_scale(allv, self.fmt, q.scale, False)
         stored = [fp8.quantize(t.float(), self.fmt, scale)[:, None, :] for t in per_request]
         pool = kvcache.build_pool(
-            stored, self.table, self.num_pages, self.fmt, scale, self.device, "linear", "latent",
+            stored,
+            self.table,
+            self.num_pages,
+            self.fmt,
+            scale,
+            self.device,
+            "linear",
+            "latent",
             self.att.placement.tail_poison,
         )
         self.pools[layer], self.scales[layer] = pool, pool.scale
         for r, t in enumerate(per_request):
             self.ideal[layer][r, : t.shape[0]] = t.float()
 
-    def append(self, layer: int, rows: Sequence[int], positions: Sequence[int], lat: torch.Tensor) -> None:
+    def append(
+        self, layer: int, rows: Sequence[int], positions: Sequence[int], lat: torch.Tensor
+    ) -> None:
         """Write one new token per sequence: rows[i] at position positions[i] gets lat[i]."""
         pool = self.pools[layer]
         assert pool is not None, "fill() a layer before appending to it"
         ps = self.att.page_size
         slots = torch.tensor(
-            [int(self.pages[r][p // ps]) * ps + p % ps for r, p in zip(rows, positions, strict=True)],
+            [
+                int(self.pages[r][p // ps]) * ps + p % ps
+                for r, p in zip(rows, positions, strict=True)
+            ],
             device=self.device,
         )
         stored = fp8.quantize(lat.float(), self.fmt, self.scales[layer])
@@ -215,8 +229,12 @@ class MLARunner:
         gen = torch.Generator().manual_seed(self.attention.seed * 1_000_003 + self._batches)
         self._batches += 1
         cache = PagedLatentCache(
-            len(self.model.model.layers), [n + max_new_tokens for n in lens], self.dims.latent,
-            self.attention, self.device, gen,
+            len(self.model.model.layers),
+            [n + max_new_tokens for n in lens],
+            self.dims.latent,
+            self.attention,
+            self.device,
+            gen,
         )
         logits = self._prefill(prompts, cache)
         out: list[list[int]] = [[] for _ in prompts]
@@ -245,8 +263,13 @@ class MLARunner:
         positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
         cos, sin = self.model.rotary.cos_sin(positions)
         case = PrefillCase(
-            segments=tuple(Segment(n) for n in lens), num_heads=cfg.num_attention_heads,
-            causal=True, quant=att.quant, return_lse=False, dims=self.dims, seed=att.seed,
+            segments=tuple(Segment(n) for n in lens),
+            num_heads=cfg.num_attention_heads,
+            causal=True,
+            quant=att.quant,
+            return_lse=False,
+            dims=self.dims,
+            seed=att.seed,
         )
         cuts = [0]
         for n in lens:
@@ -278,8 +301,12 @@ class MLARunner:
         dev, cfg, att = self.device, self.config, self.attention
         kv_lens = [p + 1 for p in positions]
         case = DecodeCase(
-            requests=tuple(Request(1, n) for n in kv_lens), num_heads=cfg.num_attention_heads,
-            page_size=att.page_size, quant=att.quant, placement=att.placement, dims=self.dims,
+            requests=tuple(Request(1, n) for n in kv_lens),
+            num_heads=cfg.num_attention_heads,
+            page_size=att.page_size,
+            quant=att.quant,
+            placement=att.placement,
+            dims=self.dims,
             seed=att.seed,
         )
         table = cache.step_table(rows, kv_lens)
@@ -295,7 +322,10 @@ class MLARunner:
             cache.append(li, rows, positions, torch.cat([c_kv, k_pe], dim=-1))
             kv = [cache.ideal[li][r, :n] for r, n in zip(rows, kv_lens, strict=True)]
             inputs = decode_inputs_from_tensors(
-                case, absorb_q(q_nope.float(), q_pe.float(), w), kv, dev,
+                case,
+                absorb_q(q_nope.float(), q_pe.float(), w),
+                kv,
+                dev,
                 pool=cache.pool_view(li, table),
             )
             o = unabsorb_out(self._run(case, inputs).float(), w)

@@ -73,9 +73,9 @@ class CharTokenizer:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CharTokenizer:
-        if data.get(CHAR_FORMAT_KEY) != CHAR_FORMAT_VERSION or list(data.get("specials", [])) != list(
-            SPECIALS
-        ):
+        if data.get(CHAR_FORMAT_KEY) != CHAR_FORMAT_VERSION or list(
+            data.get("specials", [])
+        ) != list(SPECIALS):
             raise E2EError("not an mlacheck character tokenizer (version 1)")
         return cls("".join(data["chars"]))
 

@@ -46,13 +46,27 @@ MAX_LEN = 256  # tokens per training sequence (the longest generated problem is 
 
 PRESETS: dict[str, dict[str, Any]] = {
     # the committed model: ~3.3 M parameters, 6.6 MB in bf16
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                  num_attention_heads=8, kv_lora_rank=64, qk_nope_head_dim=32,
-                  qk_rope_head_dim=16, v_head_dim=32),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+    ),
     # CPU checks only
-    "tiny": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
-                 qk_rope_head_dim=8, v_head_dim=16),
+    "tiny": dict(
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    ),
 }
 
 
@@ -74,7 +88,9 @@ def model_config(preset: str, tok: CharTokenizer) -> ModelConfig:
     )
 
 
-def encode_pool(tok: CharTokenizer, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def encode_pool(
+    tok: CharTokenizer, n: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """n training problems -> ids [n, MAX_LEN] (uint8, padded), lengths [n], answer starts [n]."""
     lut = np.full(128, tok.unk_token_id, dtype=np.uint8)
     for i, c in enumerate(tok.chars):
@@ -89,8 +105,9 @@ def encode_pool(tok: CharTokenizer, n: int, seed: int) -> tuple[torch.Tensor, to
         p = next(stream)
         pr = prompt(p.question).encode("ascii")
         full = pr + target(p.answer).encode("ascii")
-        seq = np.concatenate([[tok.bos_token_id], lut[np.frombuffer(full, dtype=np.uint8)],
-                              [tok.eos_token_id]])
+        seq = np.concatenate(
+            [[tok.bos_token_id], lut[np.frombuffer(full, dtype=np.uint8)], [tok.eos_token_id]]
+        )
         if len(seq) > MAX_LEN:
             continue
         ids[i, : len(seq)] = seq
@@ -120,31 +137,62 @@ def dense_accuracy(model: MLAModel, tok: CharTokenizer, n: int, batch: int) -> f
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, required=True, help="output directory")
     ap.add_argument("--steps", type=int, default=20000, help="maximum optimizer steps")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    ap.add_argument("--time-budget", type=float, default=None,
-                    help="seconds of training at most (default: 330 on cuda, unlimited on cpu)")
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds of training at most (default: 330 on cuda, unlimited on cpu)",
+    )
     ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
     ap.add_argument("--batch-size", type=int, default=None, help="default: 256 cuda, 16 cpu")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=300)
-    ap.add_argument("--pool", type=int, default=None,
-                    help="training problems generated up front (default: min(600k, steps x batch))")
+    ap.add_argument(
+        "--pool",
+        type=int,
+        default=None,
+        help="training problems generated up front (default: min(600k, steps x batch))",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=None)
-    ap.add_argument("--eval-every", type=int, default=None,
-                    help="dense greedy eval on 256 held-out problems every N steps (cuda: 2000)")
-    ap.add_argument("--eval-n", type=int, default=None,
-                    help="held-out problems for the final runner eval (default: 200 cuda, 16 cpu)")
+    ap.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        help="dense greedy eval on 256 held-out problems every N steps (cuda: 2000)",
+    )
+    ap.add_argument(
+        "--eval-n",
+        type=int,
+        default=None,
+        help="held-out problems for the final runner eval (default: 200 cuda, 16 cpu)",
+    )
+    ap.add_argument(
+        "--runner-eval-device",
+        default="cpu",
+        help="device of the final runner eval (default cpu, one thread: fastest)",
+    )
+    ap.add_argument(
+        "--dense-eval-n",
+        type=int,
+        default=None,
+        help="held-out problems for the final dense reference eval (500 cuda, 16 cpu)",
+    )
     ap.add_argument("--compile", action="store_true", help="torch.compile the training forward")
     args = ap.parse_args(argv)
 
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
-        print("error: --device cuda but no CUDA device is visible (use --device cpu)", file=sys.stderr)
+        print(
+            "error: --device cuda but no CUDA device is visible (use --device cpu)", file=sys.stderr
+        )
         return 2
     device = torch.device(args.device)
     batch = args.batch_size or (256 if cuda else 16)
@@ -152,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     log_every = args.log_every or (200 if cuda else 5)
     eval_every = args.eval_every if args.eval_every is not None else (2000 if cuda else 0)
     eval_n = args.eval_n or (200 if cuda else 16)
-    dense_n = 500 if cuda else 16
+    dense_n = args.dense_eval_n or (500 if cuda else 16)
     torch.manual_seed(args.seed)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -165,21 +213,31 @@ def main(argv: list[str] | None = None) -> int:
     model.init_weights(args.seed)
     model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: preset {args.preset}, {n_params / 1e6:.2f} M parameters, softmax scale "
-          f"{cfg.softmax_scale:.6f}, device {device}, torch {torch.__version__}", flush=True)
+    print(
+        f"model: preset {args.preset}, {n_params / 1e6:.2f} M parameters, softmax scale "
+        f"{cfg.softmax_scale:.6f}, device {device}, torch {torch.__version__}",
+        flush=True,
+    )
 
     pool = args.pool or min(600_000, max(args.steps * batch, 1000))
     ids, lens, starts = encode_pool(tok, pool, args.seed)
     lens_cpu = lens
     ids, lens, starts = ids.to(device), lens.to(device), starts.to(device)
-    print(f"data: {pool} training problems encoded in {time.perf_counter() - t_start:.1f} s",
-          flush=True)
+    print(
+        f"data: {pool} training problems encoded in {time.perf_counter() - t_start:.1f} s",
+        flush=True,
+    )
 
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), fused=cuda,
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        fused=cuda,
     )
     fwd = torch.compile(model) if args.compile else model
     gen = torch.Generator().manual_seed(args.seed)  # batches drawn on the CPU: no device sync
@@ -207,8 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         mask = (pos[None, 1:width] >= starts[rows, None]) & (pos[None, 1:width] < lens[rows, None])
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             logits = fwd(inp)
-        loss_tok = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1),
-                                   reduction="none")
+        loss_tok = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none"
+        )
         loss = (loss_tok * mask.reshape(-1)).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -221,8 +280,12 @@ def main(argv: list[str] | None = None) -> int:
             first_loss = float(loss_sum)
         if step % log_every == 0 or step == args.steps:
             last_loss = float(loss_sum) / loss_n
-            rec = {"step": step, "loss": last_loss, "lr": lr,
-                   "seconds": time.perf_counter() - t_train}
+            rec = {
+                "step": step,
+                "loss": last_loss,
+                "lr": lr,
+                "seconds": time.perf_counter() - t_train,
+            }
             msg = f"step {step:6d}  loss {last_loss:.4f}  lr {lr:.2e}  {rec['seconds']:.0f} s"
             if eval_every and step % eval_every == 0:
                 rec["dense_accuracy_256"] = dense_accuracy(model, tok, 256, 256)
@@ -233,8 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     if loss_n:
         last_loss = float(loss_sum) / loss_n
     train_seconds = time.perf_counter() - t_train
-    print(f"trained {step} steps in {train_seconds:.0f} s; first loss {first_loss:.4f}, "
-          f"last loss {last_loss:.4f}", flush=True)
+    print(
+        f"trained {step} steps in {train_seconds:.0f} s; first loss {first_loss:.4f}, "
+        f"last loss {last_loss:.4f}",
+        flush=True,
+    )
 
     args.out.mkdir(parents=True, exist_ok=True)
     weights = save_model(model, args.out, dtype=torch.bfloat16)
@@ -245,10 +311,25 @@ def main(argv: list[str] | None = None) -> int:
     reloaded = load_model(args.out, device=device, dtype=torch.float32)
     dense = dense_accuracy(reloaded, tok, dense_n, 250)
     print(f"held-out accuracy (dense SDPA reference, {dense_n} problems): {dense:.1%}", flush=True)
-    runner = MLARunner(reloaded, TorchBackend(), AttentionConfig())
+    # The runner hands the backend one small attention problem per request, layer and step:
+    # on a GPU that is launch-bound (minutes); on one CPU thread it takes seconds.
+    eval_device = torch.device(args.runner_eval_device)
+    threads = torch.get_num_threads()
+    if eval_device.type == "cpu":
+        torch.set_num_threads(1)
+    runner = MLARunner(
+        load_model(args.out, device=eval_device, dtype=torch.float32),
+        TorchBackend(),
+        AttentionConfig(),
+    )
     res = evaluate_runner(runner, tok, held_out_set(eval_n), batch_size=eval_n)
-    print(f"held-out accuracy through the mlacheck runner (torch backend, bf16 q/kv, paged "
-          f"latent cache; {res.n} problems): {res.accuracy:.1%} in {res.seconds:.0f} s", flush=True)
+    torch.set_num_threads(threads)
+    print(
+        f"held-out accuracy through the mlacheck runner (torch backend, bf16 q/kv, paged "
+        f"latent cache, {eval_device.type}; {res.n} problems): {res.accuracy:.1%} in "
+        f"{res.seconds:.0f} s",
+        flush=True,
+    )
     for q, text, ok in res.samples[:3]:
         print(f"  [{'ok' if ok else 'WRONG'}] {q}\n      -> {text.strip()!r}")
     log = {

@@ -40,11 +40,13 @@ MODEL_DIR = Path(os.environ.get("MLACHECK_E2E_MODEL", REPO / "references" / "e2e
 # Questions per run: three runs of this many stay around 1-2 minutes on two CPU cores.
 LIMIT = int(os.environ.get("MLACHECK_E2E_LIMIT", "150"))
 # Non-inferiority margin for this small sample: at n = 150 the paired comparison resolves
-# about 2.5-3.5 points when a handful of answers flip (see the power statement); 5 points
-# lets a correct FP8 path through with a few flips and still fails a broken kernel.
+# about 1.7 points when no answer flips and 3-3.5 when three or four do (see the power
+# statement); even with no flip the lower bound is about -2 points (the gate's default
+# margin), so 5 points lets a correct FP8 path through and still fails a broken kernel.
 MARGIN = 0.05
-# The longest generated answer is under 100 characters (= tokens); garbage stops here.
-MAX_GEN_TOKS = 128
+# The longest generated answer is 83 characters (= tokens) with its leading space; a model
+# that never stops (the faulted one) is cut here.
+MAX_GEN_TOKS = 96
 BASELINE_ACCURACY_TARGET = 0.80
 # The planted fault: DeepSeek's latent width, the default scale of AITER / FlashMLA decode.
 WRONG_DECODE_SCALE = 1 / math.sqrt(576)
@@ -71,8 +73,15 @@ class WrongDecodeScale(TorchBackend):
         outs, lses = [], []
         for r in range(len(case.requests)):
             kv = inputs.pool.gather(r)
-            o, lse = flash_attend(q[qo[r] : qo[r + 1]], kv, kv[..., :rank], WRONG_DECODE_SCALE,
-                                  True, pf, self.numerics)
+            o, lse = flash_attend(
+                q[qo[r] : qo[r + 1]],
+                kv,
+                kv[..., :rank],
+                WRONG_DECODE_SCALE,
+                True,
+                pf,
+                self.numerics,
+            )
             outs.append(o)
             lses.append(lse)
         return torch.cat(outs), torch.cat(lses)
@@ -91,8 +100,9 @@ class Runs:
     decode_calls: dict[str, int]
 
 
-def _run(name: str, backend: TorchBackend, quant: Quant, data: Path, out: Path,
-         calls: dict[str, int]) -> GateRecord:
+def _run(
+    name: str, backend: TorchBackend, quant: Quant, data: Path, out: Path, calls: dict[str, int]
+) -> GateRecord:
     from mlacheck.e2e.checkpoint import load_model
     from mlacheck.e2e.lm import MLACheckLM
     from mlacheck.e2e.runner import AttentionConfig, MLARunner
@@ -103,11 +113,20 @@ def _run(name: str, backend: TorchBackend, quant: Quant, data: Path, out: Path,
     tok = load_tokenizer(MODEL_DIR, model.config.bos_token_id, model.config.eos_token_id)
     runner = MLARunner(model, backend, AttentionConfig(quant=quant))
     lm = MLACheckLM(runner, tok, batch_size=LIMIT)
-    record = run_gsm8k(lm, RunSettings(
-        out=out / f"{name}.json", model_label=f"e2e:{MODEL_DIR.name}", num_fewshot=0,
-        limit=LIMIT, data_dir=data, max_gen_toks=MAX_GEN_TOKS, kv_dtype=quant.kv,
-        attention_backend=backend.name, extra={"q_dtype": quant.q, "run": name},
-    ))
+    record = run_gsm8k(
+        lm,
+        RunSettings(
+            out=out / f"{name}.json",
+            model_label=f"e2e:{MODEL_DIR.name}",
+            num_fewshot=0,
+            limit=LIMIT,
+            data_dir=data,
+            max_gen_toks=MAX_GEN_TOKS,
+            kv_dtype=quant.kv,
+            attention_backend=backend.name,
+            extra={"q_dtype": quant.q, "run": name},
+        ),
+    )
     calls[name] = runner.counts.by_op.get("mla_decode", 0)
     return record
 
@@ -117,20 +136,32 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     pytest.importorskip("lm_eval", reason="needs lm-eval")
     from mlacheck.e2e.problems import write_gsm8k_dir
 
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    # one thread: the backend's per-request attention is many tiny ops, which extra threads
+    # only slow down (measured 4x on two shared cores)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     env_dir = os.environ.get("MLACHECK_E2E_REPORT_DIR")
     out = Path(env_dir) if env_dir else tmp_path_factory.mktemp("e2e-gate")
     out.mkdir(parents=True, exist_ok=True)
     data = write_gsm8k_dir(out / "data", n_train=20, n_test=LIMIT)
     calls: dict[str, int] = {}
-    return Runs(
-        baseline=_run("baseline", TorchBackend(), BF16, data, out, calls),
-        fp8=_run("fp8", TorchBackend(name="torch-fp8"), FP8, data, out, calls),
-        fault=_run("fault", WrongDecodeScale(name="torch-decode-scale-1/sqrt(576)"), BF16, data,
-                   out, calls),
-        report_dir=out,
-        decode_calls=calls,
-    )
+    try:
+        return Runs(
+            baseline=_run("baseline", TorchBackend(), BF16, data, out, calls),
+            fp8=_run("fp8", TorchBackend(name="torch-fp8"), FP8, data, out, calls),
+            fault=_run(
+                "fault",
+                WrongDecodeScale(name="torch-decode-scale-1/sqrt(576)"),
+                BF16,
+                data,
+                out,
+                calls,
+            ),
+            report_dir=out,
+            decode_calls=calls,
+        )
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _verdict(runs: Runs, candidate: GateRecord, name: str) -> tuple[GateVerdict, str]:
@@ -181,5 +212,7 @@ def test_planted_attention_fault_fails_and_the_gate_could_see_it(runs: Runs) -> 
     drop = -p.difference.estimate
     assert p.min_detectable_drop < drop
     statement = power_statement(p, verdict.policy)
-    assert statement in md and f"resolves a true drop of {100 * p.min_detectable_drop:.2f} pts" in md
+    assert (
+        statement in md and f"resolves a true drop of {100 * p.min_detectable_drop:.2f} pts" in md
+    )
     assert md.startswith("# GSM8K gate: FAIL")

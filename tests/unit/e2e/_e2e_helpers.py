@@ -13,10 +13,21 @@ from mlacheck.e2e.model import MLAModel
 
 def tiny_config(**over: Any) -> ModelConfig:
     base: dict[str, Any] = dict(
-        vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=12, rope_scaling=DEEPSEEK_V3_ROPE_SCALING, max_position_embeddings=163840,
-        first_k_dense_replace=2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        rope_scaling=DEEPSEEK_V3_ROPE_SCALING,
+        max_position_embeddings=163840,
+        first_k_dense_replace=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     base.update(over)
     return ModelConfig(**base)

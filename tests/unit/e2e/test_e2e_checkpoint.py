@@ -67,8 +67,10 @@ def _write_deepseek_style(tmp_path: Path, m: MLAModel, fp8: bool) -> None:
             state[k + "_scale_inv"] = s
             m.state_dict()[k].copy_(dequant_block_fp8(q, s, (8, 8)))  # what loading must give
     keys = sorted(state)
-    shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
-              "model-00002-of-00002.safetensors": keys[len(keys) // 2 :]}
+    shards = {
+        "model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+        "model-00002-of-00002.safetensors": keys[len(keys) // 2 :],
+    }
     wmap = {}
     for fname, ks in shards.items():
         safetensors_torch.save_file({k: state[k].contiguous() for k in ks}, str(tmp_path / fname))
@@ -91,7 +93,9 @@ def test_incomplete_or_foreign_checkpoints_are_refused(tmp_path: Path) -> None:
     bad = dict(state)
     del bad["model.layers.0.self_attn.o_proj.weight"]
     safetensors_torch.save_file(bad, str(tmp_path / "model.safetensors"))
-    with pytest.raises(E2EError, match="lacks 1 model tensors, e.g. model.layers.0.self_attn.o_proj"):
+    with pytest.raises(
+        E2EError, match="lacks 1 model tensors, e.g. model.layers.0.self_attn.o_proj"
+    ):
         load_model(tmp_path)
     bad = dict(state, **{"model.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(2, 2)})
     safetensors_torch.save_file(bad, str(tmp_path / "model.safetensors"))

@@ -41,7 +41,9 @@ def test_generate_until_is_greedy_batched_and_cut_at_stop_strings() -> None:
     free = [tok.decode(t) for t in lm.runner.generate([tok.encode(c) for c in contexts], 12)]
     # what the model says unconstrained, alone, one prompt at a time
     alone = [
-        tok.decode(MLARunner(lm.runner.model, TorchBackend(), FP32).generate([tok.encode(c)], 12)[0])
+        tok.decode(
+            MLARunner(lm.runner.model, TorchBackend(), FP32).generate([tok.encode(c)], 12)[0]
+        )
         for c in contexts
     ]
     assert free == alone
@@ -53,7 +55,9 @@ def test_generate_until_is_greedy_batched_and_cut_at_stop_strings() -> None:
             hooked.append((req, res))
 
     lm.set_cache_hook(Hook())  # type: ignore[arg-type]
-    reqs = [_inst(i, c, until=[stop], max_gen_toks=12, do_sample=False) for i, c in enumerate(contexts)]
+    reqs = [
+        _inst(i, c, until=[stop], max_gen_toks=12, do_sample=False) for i, c in enumerate(contexts)
+    ]
     out = lm.generate_until(reqs)
     assert out[0] == free[0].split(stop)[0]
     for o, f in zip(out[1:], free[1:], strict=True):
@@ -78,8 +82,16 @@ def test_gate_run_through_lm_eval(tmp_path: Path) -> None:
     save_model(tiny_model(), model_dir, dtype=torch.float32)
     CharTokenizer().save(model_dir)
     lm = MLACheckLM.from_pretrained(model_dir, backend="torch", attention=FP32, batch_size=4)
-    rec = run_gsm8k(lm, RunSettings(out=tmp_path / "run.json", model_label="tiny", num_fewshot=0,
-                                    data_dir=data, max_gen_toks=8))
+    rec = run_gsm8k(
+        lm,
+        RunSettings(
+            out=tmp_path / "run.json",
+            model_label="tiny",
+            num_fewshot=0,
+            data_dir=data,
+            max_gen_toks=8,
+        ),
+    )
     assert rec.complete and len(rec.samples) == 6
     assert rec.metadata.backend == "in-process:MLACheckLM"
     assert lm.runner.counts.prefill == 2  # 6 questions in batches of 4

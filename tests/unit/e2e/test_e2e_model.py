@@ -23,10 +23,17 @@ def _hf(model: MLAModel):  # noqa: ANN202
         if name.endswith("mlp.experts.gate_up_proj"):
             pre = name.removesuffix("gate_up_proj")
             n = hf_state[name].shape[0]
-            state[name] = torch.stack([
-                torch.cat([state.pop(f"{pre}{e}.gate_proj.weight"),
-                           state.pop(f"{pre}{e}.up_proj.weight")]) for e in range(n)
-            ])
+            state[name] = torch.stack(
+                [
+                    torch.cat(
+                        [
+                            state.pop(f"{pre}{e}.gate_proj.weight"),
+                            state.pop(f"{pre}{e}.up_proj.weight"),
+                        ]
+                    )
+                    for e in range(n)
+                ]
+            )
             state[pre + "down_proj"] = torch.stack(
                 [state.pop(f"{pre}{e}.down_proj.weight") for e in range(n)]
             )
@@ -44,9 +51,16 @@ def _hf(model: MLAModel):  # noqa: ANN202
         {"rope_scaling": None},
         {"tie_word_embeddings": True},
         # mixture of experts: layer 1 routed (V3 noaux_tc: sigmoid, groups, correction bias)
-        {"first_k_dense_replace": 1, "n_routed_experts": 8, "n_shared_experts": 1,
-         "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_group": 2, "topk_group": 1,
-         "routed_scaling_factor": 2.5},
+        {
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "n_group": 2,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+        },
     ],
     ids=["dense", "q-lora", "no-interleave", "no-yarn", "tied", "moe"],
 )
@@ -92,9 +106,17 @@ def test_mha_and_absorbed_views_agree() -> None:
 
 
 def test_v2_softmax_router_picks_the_top_experts() -> None:
-    cfg = tiny_config(first_k_dense_replace=0, n_routed_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=8, scoring_func="softmax", topk_method="greedy",
-                      model_type="deepseek_v2", norm_topk_prob=False, routed_scaling_factor=1.0)
+    cfg = tiny_config(
+        first_k_dense_replace=0,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        scoring_func="softmax",
+        topk_method="greedy",
+        model_type="deepseek_v2",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+    )
     router = MLAModel(cfg).model.layers[0].mlp.gate
     with torch.no_grad():
         router.weight.copy_(torch.eye(4, cfg.hidden_size))

@@ -14,8 +14,12 @@ from mlacheck.gate.lmeval_runner import check_data_dir
 from mlacheck.gate.task import STRICT, extract, gold_answer
 
 STEP = re.compile(r"(\d+) ([-+*/]) (\d+) = \$?(\d+)")
-OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
-       "/": lambda a, b: a // b}
+OPS = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+    "/": lambda a, b: a // b,
+}
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -69,3 +73,25 @@ def test_tokenizer_round_trip_and_committed_vocab(tmp_path: Path) -> None:
     assert load_tokenizer(tmp_path).encode(text) == ids
     committed = json.loads((REPO / "references" / "e2e_model" / "tokenizer.json").read_text())
     assert committed == tok.to_json()
+
+
+def test_e2e_package_does_not_import_lm_eval_or_safetensors() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import mlacheck.e2e, mlacheck.e2e.runner, mlacheck.e2e.checkpoint, mlacheck.e2e.problems\n"
+        "import mlacheck.e2e.evaluate, mlacheck.e2e.tokenizer, mlacheck.e2e.__main__\n"
+        "opt = ('lm_eval', 'safetensors', 'transformers', 'tokenizers')\n"
+        "bad = [m for m in opt if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+def test_answers_fit_the_e2e_gate_generation_budget() -> None:
+    """tests/e2e runs with max_gen_toks 96: every answer (with its leading space) fits."""
+    longest = max(len(P.target(p.answer)) for p in P.generate(20000, "train") + P.held_out_set(500))
+    assert longest < 96

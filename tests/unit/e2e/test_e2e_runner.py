@@ -29,7 +29,7 @@ def _dense_greedy(model, prompts, n):  # noqa: ANN001, ANN202
             seq = list(p)
             for _ in range(n):
                 seq.append(int(model(torch.tensor([seq]), math_attention)[0, -1].argmax()))
-            out.append(seq[len(p):])
+            out.append(seq[len(p) :])
     return out
 
 

@@ -21,9 +21,30 @@ def test_train_script_cpu_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[st
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
     out = tmp_path / "model"
-    rc = train.main(["--out", str(out), "--steps", "6", "--device", "cpu", "--preset", "tiny",
-                     "--batch-size", "8", "--pool", "64", "--eval-n", "2", "--log-every", "3",
-                     "--lr", "3e-3"])
+    rc = train.main(
+        [
+            "--out",
+            str(out),
+            "--steps",
+            "6",
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--batch-size",
+            "8",
+            "--pool",
+            "64",
+            "--eval-n",
+            "2",
+            "--dense-eval-n",
+            "2",
+            "--log-every",
+            "3",
+            "--lr",
+            "3e-3",
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "held-out accuracy through the mlacheck runner (torch backend" in text
