@@ -146,6 +146,10 @@ class TorchBackend:
     def unavailable(self) -> str | None:
         return None
 
+    def softmax_scale(self, case: Case) -> float:
+        """The scale this implementation applies (always the case's; fault doubles override)."""
+        return case.softmax_scale
+
     def capabilities(self) -> dict[str, Capability]:
         full = Capability(soft_cap=True, per_token_scales=True)
         decode = Capability(causal=(True,), per_token_scales=True)
@@ -176,7 +180,7 @@ class TorchBackend:
         qc = inputs.cu_seqlens_q.tolist()
         pf = p_format_for(case.quant.kv, self.numerics)
         res = [
-            flash_attend(q[qc[i] : qc[i + 1]], ks[i], vs[i], case.softmax_scale, case.causal, pf,
+            flash_attend(q[qc[i] : qc[i + 1]], ks[i], vs[i], self.softmax_scale(case), case.causal, pf,
                          self.numerics, case.soft_cap)
             for i in range(len(case.segments))
         ]
@@ -191,7 +195,7 @@ class TorchBackend:
         outs, lses = [], []
         for r in range(len(case.requests)):
             kv = inputs.pool.gather(r)
-            o, lse = flash_attend(q[qo[r] : qo[r + 1]], kv, kv[..., :rank], case.softmax_scale,
+            o, lse = flash_attend(q[qo[r] : qo[r + 1]], kv, kv[..., :rank], self.softmax_scale(case),
                                   True, pf, self.numerics)
             outs.append(o)
             lses.append(lse)
@@ -212,7 +216,7 @@ class TorchBackend:
                 row = idx[t]
                 valid = row >= 0
                 sel = kv[row.clamp(min=0)]
-                o, lse = flash_attend(q[t : t + 1], sel, sel[..., :rank], case.softmax_scale,
+                o, lse = flash_attend(q[t : t + 1], sel, sel[..., :rank], self.softmax_scale(case),
                                       False, pf, self.numerics, kv_valid=valid)
                 outs.append(o)
                 lses.append(lse)

@@ -28,12 +28,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlacheck.backends.torch_ref import TorchBackend, flash_attend, p_format_for
+from mlacheck.backends.torch_ref import TorchBackend
 from mlacheck.gate.compare import GatePolicy, GateVerdict, compare, power_statement, render_markdown
 from mlacheck.gate.record import GateRecord
 from mlacheck.gate.task import STRICT
-from mlacheck.inputs import DecodeInputs
-from mlacheck.spec import Quant
+from mlacheck.spec import Case, Quant
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get("MLACHECK_E2E_MODEL", REPO / "references" / "e2e_model"))
@@ -64,27 +63,8 @@ class WrongDecodeScale(TorchBackend):
     """The `torch` backend, except that decode uses softmax scale 1/sqrt(576) (a kernel
     default) instead of the case's scale. Prefill is untouched."""
 
-    def _decode(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        case = inputs.case
-        rank = case.dims.kv_lora_rank
-        q = inputs.q.dequant()
-        qo = inputs.qo_indptr.tolist()
-        pf = p_format_for(case.quant.kv, self.numerics)
-        outs, lses = [], []
-        for r in range(len(case.requests)):
-            kv = inputs.pool.gather(r)
-            o, lse = flash_attend(
-                q[qo[r] : qo[r + 1]],
-                kv,
-                kv[..., :rank],
-                WRONG_DECODE_SCALE,
-                True,
-                pf,
-                self.numerics,
-            )
-            outs.append(o)
-            lses.append(lse)
-        return torch.cat(outs), torch.cat(lses)
+    def softmax_scale(self, case: Case) -> float:
+        return WRONG_DECODE_SCALE if case.op == "mla_decode" else case.softmax_scale
 
 
 BF16 = Quant(q="bf16", kv="bf16")
