@@ -7,6 +7,7 @@ Golden throughput counts the useful attention FLOPs (causal: only the visible ha
 by the golden's wall time, as a fraction of an fp32 (TF32 off) / fp64 8192^3 matmul measured
 in the same run. Peak extra memory is the CUDA allocator's peak during the golden minus what
 was allocated before it, divided by the bytes of the case inputs (q, k, v or the KV pool).
+A third, untimed run counts the requests the golden had to redo in its careful pass.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from mlacheck import golden, inputs
+from mlacheck.golden import core
 from mlacheck.golden.core import exact_matmuls
 from mlacheck.spec import DecodeCase, PrefillCase, Request, Segment
 
@@ -60,12 +62,20 @@ def input_bytes(inp: inputs.Inputs) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-def measure(case: PrefillCase | DecodeCase, device: str, precision: str) -> dict:
-    t = time.perf_counter()
-    inp = inputs.build(case, device)
-    torch.cuda.synchronize()
-    build_s = time.perf_counter() - t
-    # drop the unquantised copies the judge would use: the golden "exact" does not read them
+def count_redos() -> list[bool]:
+    """Record each request the golden computes (False: fast pass, True: redone carefully)."""
+    calls: list[bool] = []
+    real = core._attend_one
+
+    def spy(*a, careful: bool, **k):  # noqa: ANN002, ANN003
+        calls.append(careful)
+        return real(*a, careful=careful, **k)
+
+    core._attend_one = spy
+    return calls
+
+
+def measure(case: PrefillCase | DecodeCase, inp: inputs.Inputs, precision: str) -> dict:
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     golden.reference(inp, "exact", precision)  # warm-up (allocator, kernels)
@@ -77,11 +87,16 @@ def measure(case: PrefillCase | DecodeCase, device: str, precision: str) -> dict
     dt = time.perf_counter() - t
     peak = torch.cuda.max_memory_allocated() - before
     flops = attention_flops(case)
-    return {"case": case.slug, "precision": precision, "inputs_build_s": round(build_s, 2),
-            "golden_s": round(dt, 4), "tflops": round(flops / dt / 1e12, 2),
+    real = core._attend_one
+    calls = count_redos()
+    golden.reference(inp, "exact", precision)
+    core._attend_one = real
+    return {"case": case.slug, "precision": precision, "golden_s": round(dt, 4),
+            "tflops": round(flops / dt / 1e12, 2),
             "input_gib": round(input_bytes(inp) / 2**30, 3),
             "peak_extra_gib": round(peak / 2**30, 3),
-            "peak_extra_over_inputs": round(peak / input_bytes(inp), 3)}
+            "peak_extra_over_inputs": round(peak / input_bytes(inp), 3),
+            "requests": calls.count(False), "redone_carefully": calls.count(True)}
 
 
 def phases(results: str) -> dict:
@@ -118,13 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     ]
     out["golden"] = []
     for c in cases:
+        t = time.perf_counter()
+        inp = inputs.build(c, a.device)
+        torch.cuda.synchronize()
+        build_s = round(time.perf_counter() - t, 2)
         for prec in ("fp32", "fp64"):
-            r = measure(c, a.device, prec)
+            r = {**measure(c, inp, prec), "inputs_build_s": build_s}
             ref = out[f"{prec}_matmul_tflops"]
             r["fraction_of_matmul"] = round(r["tflops"] / ref, 3)
             out["golden"].append(r)
             print(json.dumps(r), flush=True)
             torch.cuda.empty_cache()
+        del inp
+        torch.cuda.empty_cache()
     out["phases"] = {f: phases(f) for f in a.results}
     print(json.dumps(out["phases"]), flush=True)
     if a.json:

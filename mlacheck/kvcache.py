@@ -9,6 +9,7 @@ Every request's pages can be mapped back to byte offsets of the pool, to assert 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -227,9 +228,15 @@ class KVPool:
             return self.data
         return from_vectorized_k(self.data) if self.kind == "k" else from_vectorized_v(self.data)
 
+    @functools.cached_property
+    def _indices_on_device(self) -> torch.Tensor:
+        # copied once: a host-to-device copy per gather would wait for the device each time
+        return self.table.indices.to(self.data.device)
+
     def gather(self, r: int, dequant: bool = True) -> torch.Tensor:
         """Request r's tokens [kv_len, H, D] read through the page table (fp32 if dequant)."""
-        pages = self.table.pages_of(r).to(self.data.device)
+        lo, hi = int(self.table.indptr[r]), int(self.table.indptr[r + 1])
+        pages = self._indices_on_device[lo:hi]
         if self.layout == "linear":
             blk = _select_pages(self.data, pages)
         else:

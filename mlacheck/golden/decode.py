@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mlacheck.golden.core import (
-    SCORE_BLOCK_ELEMENTS,
     Operand,
+    Request,
     Result,
-    _apply_v,
-    attend,
+    _softmax_v,
+    attend_each,
+    concat,
     exact_matmuls,
+    per_tensor,
+    score_block_elements,
 )
 from mlacheck.inputs import DecodeInputs
 
@@ -39,22 +44,22 @@ def reference(inputs: DecodeInputs, variant: str = "exact", dtype: torch.dtype =
     case = inputs.case
     rank = case.dims.kv_lora_rank
     q = (Operand(inputs.q.ideal) if variant == "ideal"
-         else Operand(inputs.q.stored, inputs.q.scale))
+         else Operand(inputs.q.stored, per_tensor(inputs.q.scale)))
     qo = inputs.qo_indptr.tolist()
-    outs, lses = [], []
-    for r in range(len(case.requests)):
+    kv_scale = per_tensor(inputs.pool.scale)
+
+    def request(r: int) -> Request:
         kv = (Operand(inputs.kv[r].ideal) if variant == "ideal"
-              else Operand(inputs.pool.gather(r, dequant=False), inputs.pool.scale))
-        res = attend(q.view(lambda x, a=qo[r], b=qo[r + 1]: x[a:b]), kv,
-                     kv.view(lambda x: x[..., :rank]), case.softmax_scale, causal=True, dtype=dtype)
-        outs.append(res.out)
-        lses.append(res.lse)
-    return Result(torch.cat(outs), torch.cat(lses))
+              else Operand(inputs.pool.gather(r, dequant=False), kv_scale))
+        return q.view(lambda x: x[qo[r] : qo[r + 1]]), kv, rank
+
+    return concat(attend_each([functools.partial(request, r) for r in range(len(case.requests))],
+                              case.softmax_scale, causal=True, dtype=dtype))
 
 
 def sparse_reference(
     inputs: DecodeInputs, variant: str = "exact", dtype: torch.dtype = torch.float32,
-    budget: int = SCORE_BLOCK_ELEMENTS,
+    budget: int | None = None,
 ) -> Result:
     """Sparse decode: token t attends to the kv positions topk_indices[t] (-1 ignored).
 
@@ -73,7 +78,7 @@ def sparse_reference(
     ).tolist()
     out = torch.zeros((t_total, h, rank), dtype=dtype, device=q.device)
     lse = torch.full((t_total, h), float("-inf"), dtype=dtype, device=q.device)
-    tb = max(1, budget // max(1, h * topk))
+    tb = max(1, (budget or score_block_elements(dtype)) // max(1, h * topk))
     with exact_matmuls():
         for t0 in range(0, t_total, tb):
             t1 = min(t_total, t0 + tb)
@@ -82,11 +87,8 @@ def sparse_reference(
             gathered = torch.stack(
                 [kvs[owner[t]][rows[t - t0].clamp(min=0), 0] for t in range(t0, t1)]
             )  # [tb, topk, 576]
-            s = torch.einsum("thd,tkd->thk", q[t0:t1], gathered) * case.softmax_scale
-            s = s.masked_fill(~valid[:, None, :].to(s.device), float("-inf"))
-            m = torch.logsumexp(s, dim=-1, keepdim=True)
-            p = torch.exp(s - m.masked_fill(torch.isneginf(m), 0.0))  # no valid index: p = 0
-            seen = valid[:, None, :].to(p.device)  # padded slots (clamped to 0) must not leak
-            out[t0:t1] = _apply_v(p, gathered[..., :rank], seen)
-            lse[t0:t1] = m.squeeze(-1)
+            s = torch.einsum("thd,tkd->thk", q[t0:t1], gathered).mul_(case.softmax_scale)
+            seen = valid[:, None, :].to(s.device)  # padded slots (clamped to 0) must not leak
+            s.masked_fill_(~seen, float("-inf"))
+            out[t0:t1], lse[t0:t1] = _softmax_v(s, gathered[..., :rank], seen, 0, careful=True)
     return Result(out, lse)

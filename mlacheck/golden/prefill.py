@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mlacheck.golden.core import Operand, Result, attend
+from mlacheck.golden.core import Operand, Result, attend_each, concat, per_tensor
 from mlacheck.inputs import PrefillInputs
 
 
@@ -45,18 +45,18 @@ def operands(inputs: PrefillInputs, variant: str) -> tuple[list[Operand], list[O
     if variant == "ideal":
         return (segs(Operand(inputs.q.ideal), qc), segs(Operand(inputs.k.ideal), kc),
                 segs(Operand(inputs.v.ideal), kc))
-    qs = segs(Operand(inputs.q.stored, inputs.q.scale), qc)
+    qs = segs(Operand(inputs.q.stored, per_tensor(inputs.q.scale)), qc)
     if inputs.k_pool is not None and inputs.v_pool is not None:
         kp, vp = inputs.k_pool, inputs.v_pool
-        return (qs, [Operand(kp.gather(i, dequant=False), kp.scale) for i in range(n)],
-                [Operand(vp.gather(i, dequant=False), vp.scale) for i in range(n)])
-    return (qs, segs(Operand(inputs.k.stored, inputs.k.scale), kc),
-            segs(Operand(inputs.v.stored, inputs.v.scale), kc))
+        ks, vs = per_tensor(kp.scale), per_tensor(vp.scale)
+        return (qs, [Operand(kp.gather(i, dequant=False), ks) for i in range(n)],
+                [Operand(vp.gather(i, dequant=False), vs) for i in range(n)])
+    return (qs, segs(Operand(inputs.k.stored, per_tensor(inputs.k.scale)), kc),
+            segs(Operand(inputs.v.stored, per_tensor(inputs.v.scale)), kc))
 
 
 def reference(inputs: PrefillInputs, variant: str = "exact", dtype: torch.dtype = torch.float32) -> Result:
     case = inputs.case
     qs, ks, vs = operands(inputs, variant)
-    res = [attend(q, k, v, case.softmax_scale, case.causal, case.soft_cap, dtype=dtype)
-           for q, k, v in zip(qs, ks, vs, strict=True)]
-    return Result(torch.cat([r.out for r in res]), torch.cat([r.lse for r in res]))
+    return concat(attend_each(list(zip(qs, ks, vs, strict=True)), case.softmax_scale,
+                              case.causal, case.soft_cap, dtype=dtype))

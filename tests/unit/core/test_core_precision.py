@@ -17,13 +17,11 @@ Measured on this CPU (x86-64, torch 2.13; `pytest -s` prints them), seeds 0..2:
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from mlacheck import golden, inputs
-from mlacheck.golden import core, decode, prefill
+from mlacheck.golden import core, decode
 from mlacheck.spec import (
     DecodeCase,
     PrefillCase,
@@ -76,21 +74,16 @@ BUDGET = 4096
 
 
 def _spy_block_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Record the size of every score block the golden materialises (via its row max or
-    logsumexp, whichever the reference uses)."""
+    """Record the size of every score block the golden materialises (each goes through the
+    in-place softmax once)."""
     sizes: list[int] = []
-    real_amax, real_lse = torch.Tensor.amax, torch.logsumexp
+    real = core._softmax_in_place
 
-    def spy_amax(x, *a, **k):
-        sizes.append(x.numel())
-        return real_amax(x, *a, **k)
+    def spy(s: torch.Tensor) -> torch.Tensor:
+        sizes.append(s.numel())
+        return real(s)
 
-    def spy_lse(x, *a, **k):
-        sizes.append(x.numel())
-        return real_lse(x, *a, **k)
-
-    monkeypatch.setattr(torch.Tensor, "amax", spy_amax)
-    monkeypatch.setattr(torch, "logsumexp", spy_lse)
+    monkeypatch.setattr(core, "_softmax_in_place", spy)
     return sizes
 
 
@@ -120,7 +113,6 @@ def test_blocked_attend_equals_unblocked(
 def test_blocked_golden_prefill_and_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole reference (multi-segment prefill, MTP decode, sparse decode) run with a tiny
     score budget equals the default run (FP64: equal up to summation order)."""
-    tiny = functools.partial(core.attend, budget=BUDGET)
     cases = [
         PrefillCase(segments=(Segment(30, 100), Segment(7), Segment(12, 40)), num_heads=4),
         DecodeCase(requests=(Request(3, 500), Request(1, 64)), num_heads=16, page_size=16),
@@ -129,8 +121,7 @@ def test_blocked_golden_prefill_and_decode(monkeypatch: pytest.MonkeyPatch) -> N
         b = inputs.build(case)
         ref = golden.reference(b, precision="fp64")
         with monkeypatch.context() as m:
-            m.setattr(prefill, "attend", tiny)
-            m.setattr(decode, "attend", tiny)
+            m.setattr(core, "score_block_elements", lambda dtype: BUDGET)
             blocked = golden.reference(b, precision="fp64")
         torch.testing.assert_close(blocked.out, ref.out, rtol=0, atol=1e-13)
         torch.testing.assert_close(blocked.lse, ref.lse, rtol=0, atol=1e-12)
@@ -154,7 +145,7 @@ def test_nan_in_masked_kv_does_not_leak_into_other_rows() -> None:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(4, 2, n, generator=g) for n in (8, 8, 4))
     v[3] = float("nan")  # only query 3 sees kv 3 (causal, q_len == kv_len)
-    for budget in (core.SCORE_BLOCK_ELEMENTS, 4):
+    for budget in (core.score_block_elements(torch.float32), 4):
         res = core.attend(q, k, v, 0.3, causal=True, budget=budget)
         assert torch.isfinite(res.out[:3]).all(), budget
         assert torch.isnan(res.out[3]).all(), budget
