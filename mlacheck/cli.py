@@ -57,7 +57,18 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     matrix = load(args.matrix, args.seed)
     results = Path(args.results)
     results.parent.mkdir(parents=True, exist_ok=True)
-    if results.exists() and not args.append:
+    leave_out = None
+    if args.resume:
+        from mlacheck.pytest_plugin import recorded_items
+
+        done = recorded_items(results)
+        if results.exists() and not results.read_bytes().endswith(b"\n"):
+            with results.open("a") as f:  # end a torn last line: new records start on their own
+                f.write("\n")
+        leave_out = results.with_name(f".{results.name}.done")
+        leave_out.write_text("".join(f"{b}\t{c}\n" for b, c in sorted(done)))
+        print(f"mlacheck: resuming {results}: {len(done)} item(s) already recorded", flush=True)
+    elif results.exists() and not args.append:
         results.unlink()
     workers = args.workers if args.workers is not None else _default_workers(args.device)
     argv = [
@@ -72,6 +83,8 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     argv += [f"--mla-backend={b}" for b in backends]
     if args.seed is not None:
         argv.append(f"--mla-seed={args.seed}")
+    if leave_out is not None:
+        argv.append(f"--mla-leave-out={leave_out}")
     if args.junit:
         argv.append(f"--junitxml={args.junit}")
     if args.k:
@@ -198,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--golden", default="fp32", choices=("fp32", "fp64"))
     r.add_argument("--results", default=DEFAULT_RESULTS)
     r.add_argument("--append", action="store_true", help="append to an existing results file")
+    r.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run: keep the results file and run only the "
+                        "(case, backend) items it has no line for")
     r.add_argument("--seed", type=int, default=None)
     r.add_argument("--workers", "-n", type=int, default=None, help="xdist workers (default: one per GPU)")
     r.add_argument("--timeout", type=int, default=900, help="per-case timeout in seconds")

@@ -46,6 +46,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--mla-results", default=None, help="append one JSON line per case here")
     g.addoption("--mla-seed", type=int, default=None, help="offset added to every case seed")
     g.addoption("--mla-no-ideal", action="store_true", help="skip the unquantised-input golden")
+    g.addoption("--mla-leave-out", default=None,
+                help="file of 'backend<TAB>case id' lines not to run (mlacheck run --resume)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -149,7 +151,9 @@ class _State:
                 matrix = load(self.config.getoption("--mla-matrix"), self.config.getoption("--mla-seed"))
             except (BackendError, MatrixError, ValueError) as e:
                 raise pytest.UsageError(str(e)) from None
-            self._items = [Item(b, mc.case, tuple(mc.markers)) for b in self.backend_names for mc in matrix.cases]
+            leave_out = _leave_out(self.config.getoption("--mla-leave-out"))
+            self._items = [Item(b, mc.case, tuple(mc.markers)) for b in self.backend_names
+                           for mc in matrix.cases if (b, mc.case.id) not in leave_out]
         return self._items
 
     def write(self, record: dict[str, Any]) -> None:
@@ -165,16 +169,29 @@ class _State:
             os.close(fd)
 
     def recorded_ids(self) -> set[tuple[str, str]]:
-        if self.results is None or not self.results.exists():
-            return set()
-        seen = set()
-        for line in self.results.read_text().splitlines():
-            try:
-                d = json.loads(line)
-                seen.add((d.get("backend", ""), d.get("case_id", "")))
-            except json.JSONDecodeError:
-                continue
-        return seen
+        return recorded_items(self.results)
+
+
+def _leave_out(path: str | None) -> set[tuple[str, str]]:
+    # a fixed file, not the growing results file: every xdist worker must collect the same items
+    if not path:
+        return set()
+    return {tuple(line.split("\t", 1)) for line in Path(path).read_text().splitlines() if line}
+
+
+def recorded_items(results: Path | None) -> set[tuple[str, str]]:
+    """(backend, case id) of every item a results file has a line for (a torn last line from
+    a killed run is ignored: that item runs again)."""
+    if results is None or not results.exists():
+        return set()
+    seen = set()
+    for line in results.read_text().splitlines():
+        try:
+            d = json.loads(line)
+            seen.add((d.get("backend", ""), d.get("case_id", "")))
+        except json.JSONDecodeError:
+            continue
+    return seen
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

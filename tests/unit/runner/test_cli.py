@@ -135,3 +135,22 @@ def test_list_shows_backends_and_matrix_counts() -> None:
     assert r.returncode == 0, r.stderr
     assert "torch" in r.stdout and "mla_decode" in r.stdout
     assert "smoke" in r.stdout and "cases" in r.stdout
+
+
+def test_resume_runs_only_what_the_results_file_lacks(tiny: Path, tmp_path: Path) -> None:
+    """An interrupted run (here: one line kept, one torn) continues where it stopped, with
+    workers that must all collect the same items."""
+    res = tmp_path / "results.jsonl"
+    r = mlacheck("run", "-b", "torch", "--matrix", str(tiny), "--results", str(res), "--no-report")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    full = res.read_text().splitlines()
+    res.write_text(full[0] + "\n" + full[1][:40])  # the second item was being written
+    r = mlacheck("run", "-b", "torch", "--matrix", str(tiny), "--results", str(res),
+                 "--resume", "-n", "2", "--no-report")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "1 item(s) already recorded" in r.stdout
+    recs = [json.loads(line) for line in res.read_text().splitlines()[2:]]  # after the torn one
+    done_first = json.loads(full[0])["case_id"]
+    assert sorted(x["case_id"] for x in recs) == sorted(
+        json.loads(line)["case_id"] for line in full[1:])
+    assert done_first not in {x["case_id"] for x in recs}
