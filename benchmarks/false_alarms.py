@@ -15,8 +15,8 @@ import time
 
 from mlacheck.backends.registry import resolve
 from mlacheck.harness import RunOptions, run_case
-from mlacheck.judge import FAIL, PASS, SKIP
 from mlacheck.matrices import load
+from mlacheck.verdict import FAIL, PASS, SKIP
 
 
 def main(argv: list[str] | None = None) -> int:

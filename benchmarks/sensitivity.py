@@ -34,8 +34,8 @@ from mlacheck.backends.faults.generic import PerturbRow
 from mlacheck.backends.registry import resolve
 from mlacheck.backends.torch_ref import TorchBackend
 from mlacheck.harness import BASELINE, RunOptions, run_case
-from mlacheck.judge import FAIL, PASS, SKIP
 from mlacheck.spec import Case, DecodeCase, PrefillCase, Quant, Request, Segment, SparseDecodeCase
+from mlacheck.verdict import FAIL, PASS, SKIP
 
 FORMATS = ("bf16", "fp16", "fp8_e4m3fn", "fp8_e4m3fnuz")
 TARGETS = {"bf16": 0.02, "fp16": 0.02, "fp8_e4m3fn": 0.10, "fp8_e4m3fnuz": 0.10}

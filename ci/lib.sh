@@ -164,8 +164,11 @@ choose_backends() {
 }
 
 # Run one matrix into $1 (a folder): results.jsonl, junit.xml, run.log, report.md/.html,
-# summary.txt/.md. Sets MATRIX_RC: 0 pass, 1 some FAIL/CRASH, 2 could not run / no verdicts.
-# Knobs read: MATRIX, WORKERS, MARKERS, TIMEOUT; uses MODE, RUN_BACKENDS, NOTES.
+# summary.txt/.md. Sets MATRIX_RC to the gate's exit code (README "Exit codes": 0 pass,
+# 1 FAIL/CRASH/XPASS, 3 suite error, 5 nothing selected, 6 not enough ran) or 2 when mlacheck
+# could not run at all (bad environment or usage, no verdicts).
+# Knobs read: MATRIX, WORKERS, MARKERS, TIMEOUT, REQUIRE_OPS, MIN_EXECUTED, ALLOW_XPASS;
+# uses MODE, RUN_BACKENDS, NOTES.
 run_matrix() {
     local out=$1 title=$2
     mkdir -p "$out"
@@ -178,15 +181,27 @@ run_matrix() {
         workers=1
         if [[ $MODE == gpu ]]; then workers=$GPU_COUNT; fi
     fi
+    local policy=()
+    if [[ -n ${REQUIRE_OPS:-} ]]; then policy+=(--require-ops "$REQUIRE_OPS"); fi
+    if [[ -n ${MIN_EXECUTED:-} ]]; then policy+=(--min-executed "$MIN_EXECUTED"); fi
+    if [[ ${ALLOW_XPASS:-0} == 1 ]]; then policy+=(--allow-xpass); fi
     local args=(run --matrix "$MATRIX" --device "$device" --results "$out/results.jsonl"
-        --junit "$out/junit.xml" --workers "$workers" --timeout "$TIMEOUT" --no-report)
-    local b
-    for b in "${RUN_BACKENDS[@]}"; do args+=(--backend "$b"); done
+        --junit "$out/junit.xml" --workers "$workers" --timeout "$TIMEOUT" --no-report
+        "${policy[@]}")
+    local b backend_args=()
+    for b in "${RUN_BACKENDS[@]}"; do backend_args+=(--backend "$b"); done
+    args+=("${backend_args[@]}")
     if [[ -n ${MARKERS:-} ]]; then args+=(-m "$MARKERS"); fi
     say "running: mlacheck ${args[*]}"
     local rc=0
     "${MLA[@]}" "${args[@]}" 2>&1 | tee "$out/run.log" || rc=${PIPESTATUS[0]}
-    if [[ ! -s "$out/results.jsonl" ]]; then
+    if [[ $rc -eq 5 ]]; then
+        MATRIX_RC=5
+        printf '%s: error: nothing selected to run (exit 5: empty matrix or MARKERS deselected everything)\n' \
+            "$CI_NAME" >&2
+        return 0
+    fi
+    if ! grep -q '"case_id"' "$out/results.jsonl" 2>/dev/null; then
         MATRIX_RC=2
         local why
         why=$(grep -E '^mlacheck: error: |^(ERROR|E  ) ' "$out/run.log" | tail -n 1 || true)
@@ -198,21 +213,25 @@ run_matrix() {
         say "warning: mlacheck report failed (see $out/report.log)"
     local notes=() n src=${MATRIX##*/}
     src=${src%.yaml}
-    if [[ ${#RUN_BACKENDS[@]} -eq 0 ]]; then src="$src, embedded default backend"; fi
+    if [[ ${#RUN_BACKENDS[@]} -eq 0 ]]; then src="$src, embedded default backends"; fi
     for n in "${NOTES[@]}"; do notes+=(--note "$n"); done
     local src_note=(--note "matrix $src; device $device, $workers worker(s); artifacts in $out")
     local src_rc=0
     "${CI_PY[@]}" summary "$out/results.jsonl" --title "$title" --md "$out/summary.md" \
-        "${src_note[@]}" "${notes[@]}" >"$out/summary.txt" || src_rc=$?
-    # rc: mlacheck run's own exit code, raised to 1 if the results hold a FAIL/CRASH.
+        "${src_note[@]}" "${notes[@]}" "${backend_args[@]}" "${policy[@]}" \
+        >"$out/summary.txt" || src_rc=$?
+    # mlacheck run's exit code is the gate's; the summary re-derives it from the file.
     MATRIX_RC=$rc
-    if [[ $rc -ne 0 && $rc -ne 1 ]]; then
-        printf '%s: error: mlacheck run ended with exit %s (a pytest error, not a verdict; see %s)\n' \
-            "$CI_NAME" "$rc" "$out/run.log" >&2
-        MATRIX_RC=2
-    fi
+    case $rc in
+        0 | 1 | 3 | 6) ;;
+        *)
+            printf '%s: error: mlacheck run ended with exit %s (not a verdict; see %s)\n' \
+                "$CI_NAME" "$rc" "$out/run.log" >&2
+            MATRIX_RC=2
+            ;;
+    esac
     if [[ $src_rc -eq 2 ]]; then MATRIX_RC=2; fi
-    if [[ $src_rc -eq 1 && $MATRIX_RC -eq 0 ]]; then MATRIX_RC=1; fi
+    if [[ $MATRIX_RC -eq 0 && $src_rc -ne 0 ]]; then MATRIX_RC=$src_rc; fi
     return 0
 }
 

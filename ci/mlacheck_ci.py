@@ -1,9 +1,11 @@
 """Helpers for the CI scripts (ci/premerge.sh, ci/nightly.sh): what is awkward in shell.
 
     python3 ci/mlacheck_ci.py summary RESULTS [--md FILE] [--title T] [--note LINE ...]
+            [--backend B ...] [--require-ops OPS] [--min-executed F] [--allow-xpass]
         One screen of a results file: totals, counts per backend x op x status, the failures
-        one line each (status, backend, op, case, reason and where), the biggest SKIP groups.
-        Exit 0 no FAIL/CRASH, 1 some FAIL/CRASH, 2 no verdicts (missing/empty file).
+        one line each (status, backend, op, case, reason and where), the biggest SKIP groups,
+        and the gate's result. Exit: the gate's code (mlacheck.outcome, README "Exit codes":
+        0 pass, 1 FAIL/CRASH/XPASS, 3 suite error, 6 not enough ran), 2 no verdicts.
     python3 ci/mlacheck_ci.py wait-server URL MODEL [--timeout S] [--interval S] [--pid PID]
         Until the OpenAI-compatible server at URL answers a 1-token completion for MODEL
         (mlacheck's own gate preflight). --timeout 0: ask once. --pid: give up as soon as
@@ -60,20 +62,24 @@ def one_line(v: object) -> str:
 
 
 def render_summary(
-    verdicts: list, unparsable: int, title: str, notes: Sequence[str]
+    verdicts: list, unparsable: int, title: str, notes: Sequence[str], outcome: object = None,
+    expected: int = 0,
 ) -> tuple[str, str, int]:
-    """(screen text, markdown, exit code) for a list of verdicts."""
-    from mlacheck.judge import CRASH, FAIL
+    """(screen text, markdown, exit code) for a list of verdicts and the gate's outcome."""
+    from mlacheck.outcome import EXIT_OK
     from mlacheck.report.summary import summarise
+    from mlacheck.verdict import CRASH, FAIL
 
-    s = summarise(verdicts, unparsable)
+    s = summarise(verdicts, unparsable, expected=expected)
     statuses = s.statuses
     rows = [(b, op, [c.get(st, 0) for st in statuses]) for (b, op), c in s.counts.items()]
     wb = max([len("backend")] + [len(b) for b, _, _ in rows])
     wo = max([len("op")] + [len(op) for _, op, _ in rows])
     wc = [max(len(st), 5) for st in statuses]
-    bad = s.by_status.get(FAIL, 0) + s.by_status.get(CRASH, 0)
-    verdict = "FAIL" if bad else "PASS"
+    code = outcome.code if outcome is not None else (  # type: ignore[attr-defined]
+        EXIT_FAIL if s.by_status.get(FAIL, 0) + s.by_status.get(CRASH, 0) else EXIT_OK)
+    verdict = RESULT_WORDS.get(code, "ERROR")
+    why = list(getattr(outcome, "lines", []) or [])
 
     screen = [f"== {title} ==", s.total_line()]
     screen += [f"note: {n}" for n in notes]
@@ -108,12 +114,15 @@ def render_summary(
         screen += [f"  {g.line()}" for g in s.skips[:MAX_SKIP_LINES]]
         if len(s.skips) > MAX_SKIP_LINES:
             screen.append(f"  ... {len(s.skips) - MAX_SKIP_LINES} more groups in report.md")
+    screen += [f"gate: {line}" for line in why]
     screen.append(
-        f"result: {verdict} ({s.by_status.get(FAIL, 0)} FAIL, {s.by_status.get(CRASH, 0)} CRASH)"
+        f"result: {verdict} ({s.by_status.get(FAIL, 0)} FAIL, {s.by_status.get(CRASH, 0)} CRASH;"
+        f" exit {code})"
     )
 
     md = [f"### {title}", "", f"**{verdict}** — {s.total_line()}", ""]
     md += [f"> note: {n}" for n in notes] + ([""] if notes else [])
+    md += [f"> gate: {_md_escape(line)}" for line in why] + ([""] if why else [])
     md.append("| backend | op | " + " | ".join(statuses) + " |")
     md.append("|---|---|" + "---:|" * len(statuses))
     md += [f"| {b} | {op} | " + " | ".join(str(n) for n in counts) + " |" for b, op, counts in rows]
@@ -128,7 +137,11 @@ def render_summary(
         md += [f"**Skipped ({s.by_status.get('SKIP', 0)}: coverage holes)**", ""]
         md += [f"- {_md_escape(g.line())}" for g in s.skips[:MAX_SKIP_LINES]]
         md.append("")
-    return "\n".join(screen) + "\n", "\n".join(md) + "\n", EXIT_FAIL if bad else EXIT_OK
+    return "\n".join(screen) + "\n", "\n".join(md) + "\n", code
+
+
+# The one-word result of each gate exit code (mlacheck.outcome).
+RESULT_WORDS = {0: "PASS", 1: "FAIL", 3: "SUITE ERROR", 6: "NOT ENOUGH RAN"}
 
 
 def _md_escape(text: str) -> str:
@@ -136,6 +149,9 @@ def _md_escape(text: str) -> str:
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
+    from mlacheck.backends.registry import resolve
+    from mlacheck.outcome import CoveragePolicy
+    from mlacheck.pytest_plugin import gate_outcome, split_backends
     from mlacheck.report.load import read_results
 
     path = Path(args.results)
@@ -144,7 +160,12 @@ def cmd_summary(args: argparse.Namespace) -> int:
     loaded = read_results(path)
     if not loaded.verdicts:
         return _error(f"no verdicts in {path} (the run recorded nothing)")
-    screen, md, code = render_summary(loaded.verdicts, loaded.skipped, args.title, args.note or [])
+    ops = tuple(o.strip() for o in args.require_ops.split(",") if o.strip())
+    names = [resolve(b).name for b in split_backends(args.backend)]
+    outcome = gate_outcome(path, names,
+                           CoveragePolicy(ops, args.min_executed, args.allow_xpass))
+    screen, md, code = render_summary(loaded.verdicts, loaded.skipped, args.title,
+                                      args.note or [], outcome, loaded.expected)
     sys.stdout.write(screen)
     if args.md:
         Path(args.md).parent.mkdir(parents=True, exist_ok=True)
@@ -295,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--md", default=None)
     s.add_argument("--title", default="mlacheck")
     s.add_argument("--note", action="append")
+    s.add_argument("--backend", action="append", help="the backends the run was asked for")
+    s.add_argument("--require-ops", default="")
+    s.add_argument("--min-executed", type=float, default=0.0)
+    s.add_argument("--allow-xpass", action="store_true")
     w = sub.add_parser("wait-server")
     w.add_argument("url")
     w.add_argument("model")

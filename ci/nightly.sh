@@ -17,8 +17,10 @@
 # CPU machine: the smoke matrix on the embedded default backend, the quick self-test, and the
 # gate skipped with a clear line unless a URL (or SERVER_CMD) is given.
 #
-# Exit: 0 all steps pass (or were skipped); 1 a step failed (a FAIL/CRASH verdict, a fault
-# the self-test missed, the gate FAILs); 2 bad environment: ONE line on stderr (no GPU with
+# Exit (README "Exit codes"; the worst step wins): 0 all steps pass (or were skipped); 1 a step
+# failed (a FAIL/CRASH/XPASS verdict, a fault the self-test missed, the gate FAILs); 3 a suite
+# error; 6 not enough ran (a requested backend ran nothing, coverage policy, incomplete);
+# 2 bad environment: ONE line on stderr (no GPU with
 # REQUIRE_GPU=1, baseline missing or unreadable, server unreachable or never answering,
 # lm-eval missing, no verdicts recorded). Environment problems are checked before the
 # matrix runs, so a misconfigured night fails in seconds, not hours.
@@ -42,6 +44,9 @@ DEVICE=${DEVICE:-auto}                  # auto | cpu | cuda (GPUs: VISIBLE_DEVIC
 WORKERS=${WORKERS:-}                    # xdist workers; default one per visible GPU, 1 on CPU
 ARTIFACTS=${ARTIFACTS:-./mlacheck-artifacts}
 REQUIRE_GPU=${REQUIRE_GPU:-0}           # 1: no GPU is an error (exit 2)
+REQUIRE_OPS=${REQUIRE_OPS:-}            # e.g. mla_decode,mla_prefill: each backend must run one
+MIN_EXECUTED=${MIN_EXECUTED:-}          # least executed fraction per backend x op (0..1)
+ALLOW_XPASS=${ALLOW_XPASS:-0}           # 1: a known failure that passes does not fail the job
 VISIBLE_DEVICES=${VISIBLE_DEVICES:-}    # e.g. 0,1,2,3: exported as HIP_/CUDA_VISIBLE_DEVICES
 MARKERS=${MARKERS:-}                    # pytest -m expression (default: all, large_kv included)
 TIMEOUT=${TIMEOUT:-1800}                # seconds per case
@@ -73,10 +78,15 @@ SECTIONS=()      # "TITLE=FILE"
 
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
-# Worst-of: 2 (error) beats 1 (fail) beats 0.
+# Worst-of, in the order of README "Exit codes": 2 (environment) beats 1 (kernel failure)
+# beats 3 (suite error) beats 6 (not enough ran) beats 5 (nothing selected) beats 0; any
+# other non-zero code of a step counts as 1.
 record_rc() {
-    local rc=$1
-    if [[ $rc -eq 2 || $FINAL_RC -eq 2 ]]; then FINAL_RC=2; elif [[ $rc -ne 0 ]]; then FINAL_RC=1; fi
+    local rc=$1 order=" 2 1 3 6 5 " r
+    if [[ $order != *" $rc "* && $rc -ne 0 ]]; then rc=1; fi
+    for r in 2 1 3 6 5; do
+        if [[ $FINAL_RC -eq $r || $rc -eq $r ]]; then FINAL_RC=$r; return 0; fi
+    done
 }
 
 # An error found after the checks: the one stderr line, then the report is still written.
@@ -170,6 +180,9 @@ step_matrix() {
     case $MATRIX_RC in
         0) result="PASS" ;;
         1) result="FAIL" ;;
+        3) result="SUITE ERROR (mlacheck failed on some cases; see matrix/summary.txt)" ;;
+        5) result="NOTHING SELECTED" ;;
+        6) result="NOT ENOUGH RAN (coverage policy or incomplete; see matrix/summary.txt)" ;;
         *) result="ERROR (no verdicts; see matrix/run.log)" ;;
     esac
     STEP_ROWS+=("kernel matrix (${name%.yaml})=$result")

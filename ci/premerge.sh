@@ -11,9 +11,11 @@
 # in the summary as "not run". CPU machine (no GPU seen by torch): the smoke matrix on
 # mlacheck's embedded default backend, so a CPU CI can run this script as is.
 #
-# Exit: 0 every verdict PASS/SKIP/KNOWN; 1 some FAIL or CRASH; 2 bad environment or usage
-# (one line on stderr: REQUIRE_GPU=1 without a GPU, GPUs torch cannot see, unknown backend,
-# bad matrix, nothing recorded).
+# Exit (README "Exit codes"): 0 everything requested ran and passed (SKIP with reasons and
+# KNOWN allowed); 1 some FAIL, CRASH or strict XPASS; 3 a suite error; 5 nothing selected;
+# 6 not enough ran (a requested backend executed no case, REQUIRE_OPS / MIN_EXECUTED not met,
+# an incomplete run); 2 bad environment or usage (one line on stderr: REQUIRE_GPU=1 without a
+# GPU, GPUs torch cannot see, unknown backend, bad matrix, nothing recorded).
 #
 # Artifacts ($ARTIFACTS): results.jsonl, junit.xml, report.md, report.html, summary.txt,
 # summary.md (the markdown CI posts as a step summary), run.log, report.log.
@@ -29,6 +31,9 @@ REQUIRE_GPU=${REQUIRE_GPU:-0}           # 1: no GPU is an error (exit 2), not a 
 VISIBLE_DEVICES=${VISIBLE_DEVICES:-}    # e.g. 0,1,2,3: exported as HIP_/CUDA_VISIBLE_DEVICES
 MARKERS=${MARKERS:-}                    # pytest -m expression, e.g. "not large_kv"
 TIMEOUT=${TIMEOUT:-600}                 # seconds per case (pytest-timeout); a hang is a failure
+REQUIRE_OPS=${REQUIRE_OPS:-}            # e.g. mla_decode,mla_prefill: each backend must run one
+MIN_EXECUTED=${MIN_EXECUTED:-}          # least executed fraction per backend x op (0..1)
+ALLOW_XPASS=${ALLOW_XPASS:-0}           # 1: a known failure that passes does not fail the job
 PYTHON=${PYTHON:-python3}               # the interpreter that has mlacheck and torch
 MLACHECK=${MLACHECK:-}                  # mlacheck command; default "$PYTHON -m mlacheck.cli"
 # ---------------------------------------------------------------------------------------------

@@ -13,11 +13,23 @@ import os
 import sys
 from pathlib import Path
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+from mlacheck.outcome import (
+    EXIT_KERNEL_FAILURE,
+    EXIT_NOT_ENOUGH_RAN,
+    EXIT_NOTHING_COLLECTED,
+    EXIT_OK,
+    EXIT_USAGE,
+)
+
 DEFAULT_RESULTS = "mlacheck-out/results.jsonl"
-# pytest exit codes -> ours: 0 ok, 1 tests failed, 5 nothing collected (an empty selection is
-# not a failure of the kernels: the skip reasons are in the report); anything else is an error.
-PYTEST_EXIT = {0: EXIT_OK, 1: EXIT_FAIL, 5: EXIT_OK}
+# pytest's exit code -> mlacheck run's (README "Exit codes"): pytest's usage error is ours
+# (2); an interrupted run did not run everything (6); the rest is already the gate's code.
+PYTEST_INTERRUPTED, PYTEST_USAGE = 2, 4
+
+
+def _exit_code(pytest_code: int) -> int:
+    return {PYTEST_INTERRUPTED: EXIT_NOT_ENOUGH_RAN, PYTEST_USAGE: EXIT_USAGE}.get(pytest_code,
+                                                                                 pytest_code)
 
 
 class UsageError(Exception):
@@ -48,33 +60,40 @@ def _suite_path() -> str:
 
 
 def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
-    from mlacheck.backends.registry import DEFAULT_BACKEND, resolve
+    from mlacheck import results as results_file
+    from mlacheck.backends.registry import DEFAULT_BACKENDS, resolve
     from mlacheck.matrices import load
+    from mlacheck.preflight import check_output_file, resolve_device
+    from mlacheck.pytest_plugin import split_backends
+    from mlacheck.spec import OPS
 
-    backends = args.backend or [DEFAULT_BACKEND]
-    for b in backends:
-        resolve(b)  # validate before pytest starts: one-line errors, exit 2
+    backends = split_backends(args.backend) or list(DEFAULT_BACKENDS)
+    names = [resolve(b).name for b in backends]  # validate before pytest starts: exit 2
+    device = resolve_device(args.device)
     matrix = load(args.matrix, args.seed)
-    results = Path(args.results)
-    results.parent.mkdir(parents=True, exist_ok=True)
+    for op in _ops(args.require_ops):
+        if op not in OPS:
+            raise UsageError(f"--require-ops: unknown op {op!r}; ops: {', '.join(OPS)}")
+    if not 0.0 <= args.min_executed <= 1.0:
+        raise UsageError("--min-executed must be a fraction in 0..1")
+    results = check_output_file(args.results, "results file")
+    if args.junit:
+        check_output_file(args.junit, "JUnit XML file")
     leave_out = None
     if args.resume:
-        from mlacheck.pytest_plugin import recorded_items
-
-        done = recorded_items(results)
-        if results.exists() and not results.read_bytes().endswith(b"\n"):
-            with results.open("a") as f:  # end a torn last line: new records start on their own
-                f.write("\n")
+        results_file.check_resumable(results)
+        results_file.repair_torn_tail(results)  # a record cut by the kill: its item runs again
+        done = results_file.recorded_items(results)
         leave_out = results.with_name(f".{results.name}.done")
         leave_out.write_text("".join(f"{b}\t{c}\n" for b, c in sorted(done)))
         print(f"mlacheck: resuming {results}: {len(done)} item(s) already recorded", flush=True)
     elif results.exists() and not args.append:
         results.unlink()
-    workers = args.workers if args.workers is not None else _default_workers(args.device)
+    workers = args.workers if args.workers is not None else _default_workers(device)
     argv = [
         _suite_path(), "-q", "-rfE", "--no-header",
         "-o", "console_output_style=progress", "-p", "no:cacheprovider",
-        f"--mla-matrix={args.matrix}", f"--mla-device={args.device}", f"--mla-golden={args.golden}",
+        f"--mla-matrix={args.matrix}", f"--mla-device={device}", f"--mla-golden={args.golden}",
         f"--mla-results={results}", f"--timeout={args.timeout}",
         f"-n={workers}", f"--max-worker-restart={max(4, len(matrix.cases) * len(backends))}",
         "--rootdir", str(Path.cwd()),
@@ -85,6 +104,12 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         argv.append(f"--mla-seed={args.seed}")
     if leave_out is not None:
         argv.append(f"--mla-leave-out={leave_out}")
+    if args.require_ops:
+        argv.append(f"--mla-require-ops={args.require_ops}")
+    if args.min_executed:
+        argv.append(f"--mla-min-executed={args.min_executed}")
+    if args.allow_xpass:
+        argv.append("--mla-allow-xpass")
     if args.junit:
         argv.append(f"--junitxml={args.junit}")
     if args.k:
@@ -93,25 +118,48 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         argv += ["-m", args.m]
     argv += extra
     print(f"mlacheck: matrix {matrix.name} ({len(matrix.cases)} cases) x backends {', '.join(backends)}"
-          f" on {args.device}, {workers} worker(s); results -> {results}", flush=True)
+          f" on {device}, {workers} worker(s); results -> {results}", flush=True)
     import pytest
 
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    code = int(pytest.main(argv))
+    code = _exit_code(int(pytest.main(argv)))
+    if code in (EXIT_OK, EXIT_KERNEL_FAILURE, EXIT_NOTHING_COLLECTED) and _has_verdicts(results):
+        # the gate reads the whole file: lines from before a --resume count too, also when
+        # nothing was left to run
+        from mlacheck.outcome import CoveragePolicy, exit_meaning
+        from mlacheck.pytest_plugin import gate_outcome
+
+        outcome = gate_outcome(results, names, CoveragePolicy(
+            tuple(_ops(args.require_ops)), args.min_executed, args.allow_xpass))
+        if outcome.code != code:
+            print(f"mlacheck gate: exit {outcome.code} ({exit_meaning(outcome.code)})")
+            for line in outcome.lines:
+                print(f"  {line}")
+        code = outcome.code
     if args.report and results.exists():
         from mlacheck.report import main as report_main
 
         report_main([str(results), "-o", str(results.parent)])
-    return PYTEST_EXIT.get(code, EXIT_USAGE if code in (2, 3, 4) else EXIT_FAIL)
+    return code
+
+
+def _has_verdicts(path: Path) -> bool:
+    from mlacheck import results as results_file
+
+    return path.exists() and bool(results_file.read_raw(path).records)
+
+
+def _ops(value: str) -> list[str]:
+    return [o.strip() for o in (value or "").split(",") if o.strip()]
 
 
 def _default_workers(device: str) -> int:
     """One worker per GPU; on CPU one worker (a process apart, so a crash cannot take the run)."""
     if device == "cpu":
         return 1
-    from mlacheck.pytest_plugin import _gpu_count
+    from mlacheck.pytest_plugin import gpu_count
 
-    return max(1, _gpu_count())
+    return max(1, gpu_count())
 
 
 # --------------------------------------------------------------------------- list
@@ -176,25 +224,39 @@ def find_case(ref: str):  # noqa: ANN201
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from mlacheck.backends.registry import DEFAULT_BACKEND, resolve
+    from mlacheck import footprint
+    from mlacheck.backends.registry import DEFAULT_BACKENDS, resolve
     from mlacheck.harness import RunOptions, run_case
-    from mlacheck.judge import CRASH, FAIL
+    from mlacheck.preflight import resolve_device
+    from mlacheck.pytest_plugin import split_backends
+    from mlacheck.verdict import CRASH, ERROR, FAIL
 
     case = find_case(args.case)
-    backend = resolve(args.backend or DEFAULT_BACKEND)
-    device = args.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    v = run_case(case, backend, RunOptions(device, args.golden))
-    print(v.summary())
+    backends = [resolve(b) for b in split_backends([args.backend] if args.backend else None)
+                or DEFAULT_BACKENDS]
+    device = resolve_device(args.device)
+    too_big = footprint.does_not_fit(case, device)
+    if too_big:
+        raise UsageError(f"{case.id}: {too_big}")
     print("case:", case.to_json())
-    checks = [{"check": c.name, "passed": c.passed, "value": c.value, "bound": c.bound, "detail": c.detail}
-              for c in v.checks]
-    print(json.dumps({"checks": checks, "timings": v.timings,
-                      "metrics": {k: x for k, x in v.metrics.items() if k != "heatmap"}}, indent=1, default=str))
-    return EXIT_FAIL if v.status in (FAIL, CRASH) else EXIT_OK
+    code = EXIT_OK
+    for backend in backends:
+        v = run_case(case, backend, RunOptions(device, args.golden))
+        print(v.summary())
+        if v.known_failure:
+            print(f"  known failure ({v.known_rule}): {v.known_failure}")
+        checks = [{"check": c.name, "passed": c.passed, "value": c.value, "bound": c.bound,
+                   "detail": c.detail} for c in v.checks]
+        print(json.dumps({"checks": checks, "timings": v.timings,
+                          "metrics": {k: x for k, x in v.metrics.items() if k != "heatmap"}},
+                         indent=1, default=str))
+        if v.status in (FAIL, CRASH):
+            code = EXIT_KERNEL_FAILURE
+        elif v.status == ERROR and code == EXIT_OK:
+            from mlacheck.outcome import EXIT_SUITE_ERROR
+
+            code = EXIT_SUITE_ERROR
+    return code
 
 
 # --------------------------------------------------------------------------- main
@@ -221,6 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-k", default=None, help="pytest -k expression")
     r.add_argument("-m", default=None, help="pytest -m marker expression")
     r.add_argument("--no-report", dest="report", action="store_false")
+    r.add_argument("--require-ops", default="",
+                   help="comma-separated ops every backend must execute at least one case of "
+                        "(e.g. mla_prefill,mla_decode); otherwise exit 6")
+    r.add_argument("--min-executed", type=float, default=0.0,
+                   help="least executed (not skipped) fraction per backend x op, 0..1; "
+                        "otherwise exit 6 (default 0: only a backend that runs nothing fails)")
+    r.add_argument("--allow-xpass", action="store_true",
+                   help="a known failure that now passes does not fail the run (default: exit 1)")
 
     sub.add_parser("list", help="backends available here and matrices")
 
@@ -256,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from mlacheck.backends.registry import BackendError
     from mlacheck.matrices import MatrixError
+    from mlacheck.preflight import PreflightError
+    from mlacheck.results import NotAResultsFile
 
     try:
         if args.cmd == "run":
@@ -264,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_list(args)
         if args.cmd == "replay":
             return cmd_replay(args)
-    except (UsageError, BackendError, MatrixError, ValueError) as e:
+    except (UsageError, BackendError, MatrixError, PreflightError, NotAResultsFile,
+            ValueError) as e:
         return _die(str(e))
     return EXIT_USAGE
 

@@ -1,4 +1,4 @@
-"""Metrics, the tolerance policy, verdicts and localisation.
+"""Metrics, the tolerance policy and localisation: how a verdict is decided.
 
 The judge sees only normalised tensors (out [T, H, Dv], LSE [T, H] natural log): adapters
 normalise, the judge never does. Every check is per row (row = one token x one head), so one
@@ -8,7 +8,7 @@ corrupted request, head or page fails the case, and every failure says where.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,110 +19,7 @@ from mlacheck.golden.core import Result
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
 from mlacheck.kvcache import byte_region
 from mlacheck.spec import Case, PrefillCase
-
-PASS, FAIL, CRASH, SKIP = "PASS", "FAIL", "CRASH", "SKIP"
-
-
-@dataclass
-class Check:
-    name: str
-    passed: bool
-    value: float | None = None
-    bound: float | None = None
-    detail: str = ""
-
-
-@dataclass
-class Where:
-    """One localised failure: which request/segment, tokens, heads, pages, pool bytes."""
-
-    check: str
-    request: int
-    tokens: tuple[int, int]  # [first, last] global token rows
-    request_tokens: tuple[int, int]  # [first, last] within the request
-    heads: list[int]
-    worst: float
-    bound: float
-    pages: list[int] = field(default_factory=list)
-    bytes: tuple[int, int] | None = None
-    region: str = ""
-
-    def message(self, unit: str) -> str:
-        kind = "segment" if unit == "segment" else "request"
-        h = _ranges(self.heads)
-        s = (
-            f"{self.check}: {kind} {self.request} tokens {self.request_tokens[0]}-"
-            f"{self.request_tokens[1]} (rows {self.tokens[0]}-{self.tokens[1]}), heads {h}: "
-            f"worst {self.worst:.3g} > bound {self.bound:.3g}"
-        )
-        if self.pages:
-            s += f"; pages {_ranges(self.pages, 12)}"
-        if self.bytes:
-            s += f", pool bytes {self.bytes[0]:#x}-{self.bytes[1]:#x} ({self.region})"
-        return s
-
-
-@dataclass
-class Verdict:
-    case_id: str
-    backend: str
-    op: str
-    status: str
-    reason: str = ""
-    checks: list[Check] = field(default_factory=list)
-    where: list[Where] = field(default_factory=list)
-    metrics: dict[str, Any] = field(default_factory=dict)
-    case: dict[str, Any] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-    # A documented real kernel finding (mlacheck/known_failures.yaml): reported as KNOWN.
-    known_failure: str = ""
-
-    @property
-    def failed_checks(self) -> list[Check]:
-        return [c for c in self.checks if not c.passed]
-
-    def summary(self) -> str:
-        """One screen a kernel engineer can act on."""
-        head = f"{self.status} {self.backend} {self.case_id}"
-        if self.reason:
-            head += f": {self.reason}"
-        lines = [head]
-        for c in self.failed_checks:
-            b = f" (value {c.value:.3g}, bound {c.bound:.3g})" if c.value is not None and c.bound is not None else ""
-            lines.append(f"  check {c.name} failed{b}{': ' + c.detail if c.detail else ''}")
-        unit = "segment" if self.op in ("mla_prefill", "paged_prefill") else "request"
-        lines += [f"  at {w.message(unit)}" for w in self.where[:12]]
-        if len(self.where) > 12:
-            lines.append(f"  ... and {len(self.where) - 12} more locations")
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), default=_json_default, sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Verdict:
-        """Inverse of to_dict; extra keys a results line carries (nodeid, wall, ...) are ignored."""
-        names = {f.name for f in fields(cls)}
-        d = {k: x for k, x in d.items() if k in names}
-        d["checks"] = [Check(**c) for c in d.get("checks", [])]
-        d["where"] = [
-            Where(**{**w, "tokens": tuple(w["tokens"]), "request_tokens": tuple(w["request_tokens"]),
-                     "bytes": tuple(w["bytes"]) if w.get("bytes") else None})
-            for w in d.get("where", [])
-        ]
-        return cls(**d)
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, float):
-        return repr(o)
-    if isinstance(o, tuple):
-        return list(o)
-    return str(o)
-
+from mlacheck.verdict import FAIL, PASS, Check, Verdict, Where
 
 # --------------------------------------------------------------------------- metrics
 
@@ -158,11 +55,65 @@ def verdict(
     baseline: Output,
     ideal: Result | None = None,
     backend: str = "",
+    repeats: Repeats | None = None,
 ) -> Verdict:
-    """Judge one case: the kernel's output against the golden, bounded by the baseline."""
+    """Judge one case: the kernel's output against the golden, bounded by the baseline; its
+    own schedule metadata (when the backend validated one) and, with `repeats`, determinism."""
     v = Verdict(case.id, backend, case.op, PASS, case=json.loads(case.to_json()))
+    _judge_numerics(v, case, inputs, output, gold, baseline, ideal)
+    problems = output.metadata.get("validation")
+    if problems:  # the backend's own schedule (e.g. AITER persistent metadata) is wrong
+        v.checks.append(Check("metadata", False, detail="; ".join(problems)))
+    if repeats is not None:
+        v.where += _check_determinism(inputs, output, repeats, v.checks)
+    if any(not c.passed for c in v.checks):
+        v.status = FAIL
+        v.reason = ", ".join(c.name for c in v.failed_checks)
+    return v
+
+
+@dataclass
+class Repeats:
+    """The kernel run again on freshly built identical inputs: outputs, or why a run failed."""
+
+    outputs: list[Output]
+    problem: str = ""
+
+
+def _check_determinism(inputs: Inputs, first: Output, repeats: Repeats,
+                       checks: list[Check]) -> list[Where]:
+    """Every repeat's output (and LSE) must be bitwise identical to the first run's."""
+    ref_out = bits(first.out.detach().cpu())
+    ref_lse = None if first.lse is None else bits(first.lse.detach().cpu())
+    differ = torch.zeros(ref_out.shape[:2], dtype=torch.bool)
+    problem = repeats.problem
+    for run, again in enumerate(repeats.outputs, 2):
+        out = bits(again.out.detach().cpu())
+        if out.shape != ref_out.shape:
+            problem = f"run {run} returned shape {tuple(out.shape)}, run 1 {tuple(ref_out.shape)}"
+            break
+        differ |= (out != ref_out).flatten(2).any(-1)
+        if ref_lse is not None and again.lse is not None:
+            lse = bits(again.lse.detach().cpu())
+            if lse.shape == ref_lse.shape:
+                differ |= (lse != ref_lse).reshape(differ.shape)
+    n = int(differ.sum())
+    runs = len(repeats.outputs) + 1
+    detail = problem or (f"{n} of {differ.numel()} rows differ bitwise across {runs} runs "
+                         "on identical inputs" if n else "")
+    checks.append(Check("determinism", not (n or problem), float(n), 0.0, detail))
+    return localise(inputs, differ, differ.double(), 0.0, "determinism") if n else []
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """An integer view of a float tensor: bitwise comparison, NaN payloads included."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()])
+
+
+def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold: Result,
+                    baseline: Output, ideal: Result | None) -> None:
     checks, where = v.checks, v.where
-    rows_bad = torch.zeros(gold.out.shape[:2], dtype=torch.bool)
     out = output.out.detach().cpu()
     g_out, g_lse = gold.out.detach().cpu(), gold.lse.detach().cpu()
     b_out = baseline.out.detach().cpu()
@@ -170,8 +121,7 @@ def verdict(
     expect = tuple(g_out.shape)
     if tuple(out.shape) != expect:
         checks.append(Check("shape", False, detail=f"output shape {tuple(out.shape)} != {expect}"))
-        v.status = FAIL
-        return v
+        return
 
     # NaN/Inf exactly where the golden has them (row level); those rows leave the numeric checks.
     k_bad = ~torch.isfinite(out).all(-1)
@@ -196,7 +146,6 @@ def verdict(
                         f"{int(bad.sum())} of {int(finite.sum())} rows; bound = min({tol.ROW_FACTOR:g} x "
                         f"baseline worst row {base:.3g} + floor {floor:.3g}, budget {tol.ROW_BUDGET[p_fmt]:.3g})"))
     if bad.any():
-        rows_bad |= bad
         where += localise(inputs, bad, err, bound, "row_error")
 
     # Tensor-wide relative L2 (on finite rows).
@@ -239,11 +188,8 @@ def verdict(
         top = max(pool.byte_range(r)[1] for r in range(pool.table.batch))
         v.metrics.update(pool_bytes=pool.nbytes, live_top_byte=top, live_region=byte_region(0, top))
     if any(not c.passed for c in checks):
-        v.status = FAIL
-        v.reason = ", ".join(c.name for c in checks if not c.passed)
         v.metrics["heatmap"] = heatmap(err.masked_fill(~finite, float("inf")))
         v.metrics["heatmap_block"] = heatmap_block(err.shape)
-    return v
 
 
 HEATMAP_MAX = (256, 128)  # rows x heads kept in a report heat map (max-pooled beyond that)
@@ -370,19 +316,3 @@ def localise(inputs: Inputs, bad: torch.Tensor, err: torch.Tensor, bound: float,
             w.bytes, w.region = (lo, hi), byte_region(lo, hi)
         found.append(w)
     return found
-
-
-def _ranges(xs: list[int], limit: int = 64) -> str:
-    """[0,1,2,5,7,8] -> '0-2,5,7-8' (first `limit` runs)."""
-    if not xs:
-        return "-"
-    xs = sorted(xs)
-    runs, start, prev = [], xs[0], xs[0]
-    for x in xs[1:]:
-        if x != prev + 1:
-            runs.append((start, prev))
-            start = x
-        prev = x
-    runs.append((start, prev))
-    s = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:limit])
-    return s + (f",... ({len(xs)} total)" if len(runs) > limit else "")

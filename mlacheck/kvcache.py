@@ -139,20 +139,26 @@ def assign_pages(
     indptr = torch.zeros(len(lens) + 1, dtype=torch.int64)
     indptr[1:] = torch.cumsum(counts, 0)
     live = int(indptr[-1])
-    spare = placement.spare_pages
+    first = _first_live_page(live, page_bytes, placement)
+    pool_pages = first + live + placement.spare_pages
     if placement.kind == "packed":
         ids = torch.arange(live)
-        pool_pages = live + spare
-    elif placement.kind == "shuffled":
-        pool_pages = live + spare
-        ids = torch.randperm(pool_pages, generator=gen)[:live]
-    else:  # high: straddle offset_bytes, half the live pages below it, half above
-        boundary_page = math.ceil(placement.offset_bytes / page_bytes)
-        first = max(0, boundary_page - live // 2)
-        window = live + spare
-        ids = first + torch.randperm(window, generator=gen)[:live]
-        pool_pages = first + window
+    else:  # shuffled (first = 0), or high: straddling offset_bytes, half below, half above
+        ids = first + torch.randperm(live + placement.spare_pages, generator=gen)[:live]
     return PageTable(page_size, indptr, ids.to(torch.int64), lens), pool_pages
+
+
+def _first_live_page(live: int, page_bytes: int, placement: Placement) -> int:
+    if placement.kind != "high":
+        return 0
+    return max(0, math.ceil(placement.offset_bytes / page_bytes) - live // 2)
+
+
+def pool_page_count(kv_lens: Sequence[int], page_size: int, page_bytes: int,
+                    placement: Placement) -> int:
+    """How many pages `assign_pages` allocates (no tensors: for memory estimates)."""
+    live = sum(-(-n // page_size) for n in kv_lens)
+    return _first_live_page(live, page_bytes, placement) + live + placement.spare_pages
 
 
 # --------------------------------------------------------------------------- layouts

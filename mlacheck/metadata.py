@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from mlacheck.backends.aiter_model import _rules
+from mlacheck.verdict import ranges
 
 WORK_FIELDS = 8  # int32 per work row
 BATCH, PARTIAL, QO_START, QO_END, KV_START, KV_END, KV_OFFSET, EXTRA = range(WORK_FIELDS)
@@ -68,18 +69,9 @@ class _Report:
 
 
 def _ranges(xs: Iterable[int]) -> str:
-    """[0,1,2,5] -> '0-2, 5'."""
-    xs = sorted(set(xs))
-    if not xs:
-        return "-"
-    runs, start, prev = [], xs[0], xs[0]
-    for x in xs[1:]:
-        if x != prev + 1:
-            runs.append((start, prev))
-            start = x
-        prev = x
-    runs.append((start, prev))
-    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+    """[0,1,2,5] -> '0-2, 5' (every run)."""
+    xs = list(xs)
+    return ranges(xs, limit=len(xs) + 1, sep=", ")
 
 
 def _span(lo: int, hi: int) -> str:

@@ -1,18 +1,23 @@
 """pytest is the driver: each (case, backend) of a matrix is one test item.
 
-Options: --mla-backend (repeatable), --mla-matrix, --mla-device, --mla-golden, --mla-results,
---mla-seed. Results: one JSON line per item, appended and flushed as it finishes, by the
-process that ran it, so nothing is lost if a run dies. Under pytest-xdist each worker gets
-one GPU (HIP/CUDA_VISIBLE_DEVICES set before the device is touched); a worker killed by a
-crash is replaced by xdist and the controller records that item as CRASH; after a
-device-side error a worker exits, so no later case runs on a poisoned context.
+Options: --mla-backend (repeatable, or comma-separated), --mla-matrix, --mla-device,
+--mla-golden, --mla-results, --mla-seed, and the gate's coverage policy (--mla-require-ops,
+--mla-min-executed, --mla-allow-xpass). Results: a run header, then one JSON line per item,
+appended and flushed as it finishes by the process that ran it (mlacheck.results), so
+nothing is lost if a run dies. Under pytest-xdist each worker gets one GPU
+(HIP/CUDA_VISIBLE_DEVICES set before the device is touched); a worker killed by a crash is
+replaced by xdist and the controller records that item as CRASH; after a device-side error
+a worker exits, so no later case runs on a poisoned context.
+
+The exit status is the gate's (mlacheck.outcome): set at session end from everything the
+results file holds. Bad options are pytest usage errors (exit 4) raised before collection.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +25,14 @@ from typing import Any
 
 import pytest
 
-RESULT_KEY = "mla_verdict"
+from mlacheck import results as results_file
+from mlacheck.outcome import CoveragePolicy, Outcome
+
+# Where workers write when the user named no results file (the controller's private file).
+_PRIVATE_RESULTS_ENV = "MLACHECK_PRIVATE_RESULTS"
 # Exit status of a worker that leaves after a device-side error (xdist replaces it).
 DEVICE_ERROR_EXIT = 70
+_OPTION_PREFIX = "mla_"
 
 
 @dataclass(frozen=True)
@@ -39,25 +49,62 @@ class Item:
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("mlacheck", "MLA kernel validation")
     g.addoption("--mla-backend", action="append", default=None,
-                help="backend name, entry-point name or pkg.mod:factory (repeatable)")
+                help="backend name, entry-point name or pkg.mod:factory (repeatable; commas "
+                     "separate several)")
     g.addoption("--mla-matrix", default="smoke", help="matrix name or YAML path (default: smoke)")
     g.addoption("--mla-device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     g.addoption("--mla-golden", default="fp32", choices=("fp32", "fp64"), help="golden precision")
-    g.addoption("--mla-results", default=None, help="append one JSON line per case here")
+    g.addoption("--mla-results", default=None,
+                help="results file (JSON lines); default: a temporary file read at the end")
     g.addoption("--mla-seed", type=int, default=None, help="offset added to every case seed")
     g.addoption("--mla-no-ideal", action="store_true", help="skip the unquantised-input golden")
     g.addoption("--mla-leave-out", default=None,
                 help="file of 'backend<TAB>case id' lines not to run (mlacheck run --resume)")
+    g.addoption("--mla-require-ops", default="",
+                help="comma-separated ops every backend must execute at least one case of")
+    g.addoption("--mla-min-executed", type=float, default=0.0,
+                help="least executed (not skipped) fraction per backend x op, 0..1 (default 0)")
+    g.addoption("--mla-allow-xpass", action="store_true",
+                help="a known failure that passes does not fail the run (default: it does)")
+
+
+def split_backends(values: list[str] | None) -> list[str]:
+    """Repeated and comma-separated backend names, each once, in order."""
+    names = [n.strip() for v in values or [] for n in v.split(",")]
+    return list(dict.fromkeys(n for n in names if n))
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for m in ("large_kv", "fp8", "persistent", "sparse", "multiseg", "gpu", "slow"):
         config.addinivalue_line("markers", f"{m}: mlacheck case marker")
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    worker = is_worker(config)
     if worker:
-        _map_worker_to_device(int(re.sub(r"\D", "", worker) or 0))
-        _share_cpu_threads(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-    config.stash[_STATE] = _State(config)
+        info = config.workerinput  # type: ignore[attr-defined]
+        _map_worker_to_device(int(re.sub(r"\D", "", str(info.get("workerid", ""))) or 0))
+        _share_cpu_threads(int(info.get("workercount", 1)))
+    state = _State(config)
+    config.stash[_STATE] = state
+    if config.pluginmanager.hasplugin("xdist") and not config.pluginmanager.has_plugin("mla-xdist"):
+        config.pluginmanager.register(_XdistHooks(), "mla-xdist")
+    if not worker and _runs_the_suite(config):
+        state.preflight()
+
+
+def is_worker(config: pytest.Config) -> bool:
+    """An xdist worker (config.workerinput; not the environment, which a subprocess that a
+    worker starts inherits)."""
+    return hasattr(config, "workerinput")
+
+
+def _runs_the_suite(config: pytest.Config) -> bool:
+    """Whether this session is an mlacheck matrix run (the plugin is also loaded in every
+    other pytest session of the environment, where it must stay out of the way)."""
+    if any(("mlacheck.suite" in a or "mlacheck/suite" in a) for a in config.args):
+        return True
+    defaults = {"mla_matrix": "smoke", "mla_device": "auto", "mla_golden": "fp32",
+                "mla_min_executed": 0.0, "mla_require_ops": ""}
+    return any(v not in (None, False, defaults.get(k))
+               for k, v in vars(config.option).items() if k.startswith(_OPTION_PREFIX))
 
 
 def _map_worker_to_device(index: int) -> None:
@@ -69,7 +116,7 @@ def _map_worker_to_device(index: int) -> None:
         visible = os.environ.get(var)
         ids = [v for v in visible.split(",") if v] if visible else None
         if ids is None:
-            count = _gpu_count()
+            count = gpu_count()
             if not count:
                 continue
             ids = [str(i) for i in range(count)]
@@ -83,7 +130,7 @@ def _share_cpu_threads(workers: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
 
 
-def _gpu_count() -> int:
+def gpu_count() -> int:
     """GPUs on the machine without initialising the CUDA/HIP context (nvidia-smi / /dev/dri)."""
     override = os.environ.get("MLACHECK_NUM_GPUS")
     if override:
@@ -112,17 +159,26 @@ class _State:
         self.config = config
         self._backends: dict[str, Any] = {}
         self._items: list[Item] | None = None
-        path = config.getoption("--mla-results")
+        self._device: str | None = None
+        path = config.getoption("--mla-results") or os.environ.get(_PRIVATE_RESULTS_ENV)
         self.results = Path(path) if path else None
-        if self.results is not None:
-            self.results.parent.mkdir(parents=True, exist_ok=True)
         self.device_poisoned: str | None = None
+        self.header_written = False
+        self.outcome: Outcome | None = None
+        self.temporary_results = False
 
     @property
     def backend_names(self) -> list[str]:
-        from mlacheck.backends.registry import DEFAULT_BACKEND
+        from mlacheck.backends.registry import DEFAULT_BACKENDS
 
-        return self.config.getoption("--mla-backend") or [DEFAULT_BACKEND]
+        return split_backends(self.config.getoption("--mla-backend")) or list(DEFAULT_BACKENDS)
+
+    @property
+    def policy(self) -> CoveragePolicy:
+        ops = tuple(o.strip() for o in self.config.getoption("--mla-require-ops").split(",")
+                    if o.strip())
+        return CoveragePolicy(ops, self.config.getoption("--mla-min-executed"),
+                              self.config.getoption("--mla-allow-xpass"))
 
     def backend(self, name: str) -> Any:
         if name not in self._backends:
@@ -133,12 +189,40 @@ class _State:
 
     @property
     def device(self) -> str:
-        dev = self.config.getoption("--mla-device")
-        if dev == "auto":
-            import torch
+        if self._device is None:
+            from mlacheck.preflight import resolve_device
 
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return dev
+            self._device = resolve_device(self.config.getoption("--mla-device"))
+        return self._device
+
+    def preflight(self) -> None:
+        """Everything that can be wrong before the first case: a usage error (exit 4)."""
+        from mlacheck.backends.registry import BackendError
+        from mlacheck.matrices import MatrixError
+        from mlacheck.preflight import PreflightError, check_output_file
+        from mlacheck.spec import OPS
+
+        try:
+            _ = self.device
+            self.items()
+            for op in self.policy.require_ops:
+                if op not in OPS:
+                    raise PreflightError(f"--mla-require-ops: unknown op {op!r}; ops: {', '.join(OPS)}")
+            if not 0.0 <= self.policy.min_executed <= 1.0:
+                raise PreflightError("--mla-min-executed must be a fraction in 0..1")
+            if self.results is None:  # the gate needs a file to read: a private one
+                fd, name = tempfile.mkstemp(prefix="mlacheck-", suffix=".jsonl")
+                os.close(fd)
+                os.unlink(name)
+                self.results = Path(name)
+                self.temporary_results = True
+                os.environ[_PRIVATE_RESULTS_ENV] = name  # xdist workers inherit it
+            check_output_file(self.results, "results file")
+            xml = getattr(self.config.option, "xmlpath", None)
+            if xml:
+                check_output_file(xml, "JUnit XML file")
+        except (BackendError, MatrixError, PreflightError, ValueError) as e:
+            raise pytest.UsageError(str(e)) from None
 
     def items(self) -> list[Item]:
         if self._items is None:
@@ -151,25 +235,37 @@ class _State:
                 matrix = load(self.config.getoption("--mla-matrix"), self.config.getoption("--mla-seed"))
             except (BackendError, MatrixError, ValueError) as e:
                 raise pytest.UsageError(str(e)) from None
+            self.matrix_name = matrix.name
             leave_out = _leave_out(self.config.getoption("--mla-leave-out"))
             self._items = [Item(b, mc.case, tuple(mc.markers)) for b in self.backend_names
                            for mc in matrix.cases if (b, mc.case.id) not in leave_out]
         return self._items
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one JSON line with a single write on an O_APPEND fd (atomic between workers)."""
-        if self.results is None:
+        if self.results is not None:
+            results_file.append_record(self.results, record)
+
+    def write_header(self, node_ids: list[str]) -> None:
+        """The run header: what this invocation is about to run (once, by the controller)."""
+        if self.header_written or self.results is None:
             return
-        line = (json.dumps(record, default=str, sort_keys=True) + "\n").encode()
-        fd = os.open(self.results, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, line)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        by_id = {it.id: it for it in self.items()}
+        expected = []
+        for nid in node_ids:
+            m = re.search(r"\[(.+)\]$", nid)
+            it = by_id.get(m.group(1)) if m else None
+            if it is not None:
+                expected.append((it.backend, it.case.id))
+        if not expected:
+            return
+        self.header_written = True
+        results_file.repair_torn_tail(self.results)
+        header = results_file.new_header(expected, self.backend_names,
+                                         getattr(self, "matrix_name", ""), self.device)
+        results_file.append_line(self.results, header.to_line())
 
     def recorded_ids(self) -> set[tuple[str, str]]:
-        return recorded_items(self.results)
+        return results_file.recorded_items(self.results)
 
 
 def _leave_out(path: str | None) -> set[tuple[str, str]]:
@@ -177,21 +273,6 @@ def _leave_out(path: str | None) -> set[tuple[str, str]]:
     if not path:
         return set()
     return {tuple(line.split("\t", 1)) for line in Path(path).read_text().splitlines() if line}
-
-
-def recorded_items(results: Path | None) -> set[tuple[str, str]]:
-    """(backend, case id) of every item a results file has a line for (a torn last line from
-    a killed run is ignored: that item runs again)."""
-    if results is None or not results.exists():
-        return set()
-    seen = set()
-    for line in results.read_text().splitlines():
-        try:
-            d = json.loads(line)
-            seen.add((d.get("backend", ""), d.get("case_id", "")))
-        except json.JSONDecodeError:
-            continue
-    return seen
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -213,7 +294,7 @@ def mla_state(request: pytest.FixtureRequest) -> _State:
 def check_item(item: Item, state: _State, node: pytest.Item) -> None:
     """Run one item, record its verdict, and turn it into a pytest outcome."""
     from mlacheck.harness import DeviceError, RunOptions, run_case
-    from mlacheck.judge import CRASH, FAIL, SKIP, Verdict
+    from mlacheck.verdict import CRASH, ERROR, FAIL, PASS, SKIP, Verdict
 
     if state.device_poisoned:
         pytest.skip(f"device context poisoned by an earlier device error ({state.device_poisoned})")
@@ -226,19 +307,23 @@ def check_item(item: Item, state: _State, node: pytest.Item) -> None:
     except DeviceError as e:
         verdict = Verdict(item.case.id, item.backend, item.case.op, CRASH, f"device error: {e}")
         state.device_poisoned = item.case.id
-    known = known_failure(item.backend, item.case.id)
-    if known and verdict.status in (FAIL, CRASH):
-        verdict.known_failure = known
     record = verdict.to_dict()
-    record.update(nodeid=node.nodeid, wall=time.time() - start, device=state.device)
+    record.update(nodeid=node.nodeid, wall=time.time() - start, device=state.device,
+                  backend_spec=item.backend)
     state.write(record)
     node.stash[_RECORDED] = True
-    if state.device_poisoned and os.environ.get("PYTEST_XDIST_WORKER"):
+    if state.device_poisoned and is_worker(state.config):
         os._exit(DEVICE_ERROR_EXIT)  # xdist reports this item crashed and starts a new worker
     if verdict.status == SKIP:
         pytest.skip(verdict.reason)
-    if known and verdict.status in (FAIL, CRASH):
-        pytest.xfail(f"known failure: {known}\n{verdict.summary()}")
+    if verdict.known_failure and verdict.status in (FAIL, CRASH):
+        pytest.xfail(f"known failure: {verdict.known_failure}\n{verdict.summary()}")
+    if verdict.known_failure and verdict.status == PASS and not state.policy.allow_xpass:
+        pytest.fail(f"XPASS {item.backend} {item.case.id}: the known failure "
+                    f"{verdict.known_rule!r} passes; remove its rule from mlacheck/known.py "
+                    "(or run with --allow-xpass)", pytrace=False)
+    if verdict.status == ERROR:
+        pytest.fail(f"{verdict.summary()}\n(mlacheck's own error, not the kernel's)", pytrace=False)
     if verdict.status in (FAIL, CRASH):
         pytest.fail(verdict.summary(), pytrace=False)
 
@@ -257,7 +342,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     if rep.failed:
         state: _State = item.config.stash[_STATE]
         msg = str(call.excinfo.value).splitlines()[0][:500] if call.excinfo else "error"
-        state.write(_crash_record(mla.backend, mla.case, f"error outside the verdict: {msg}", item.nodeid))
+        state.write(_crash_record(state, mla, f"error outside the verdict: {msg}", item.nodeid))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -277,7 +362,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         return
     msg = str(report.longrepr).strip().splitlines()
     reason = "worker crashed: " + (msg[0] if msg else "no output")
-    state.write(_crash_record(it.backend, it.case, reason, report.nodeid))
+    state.write(_crash_record(state, it, reason, report.nodeid))
 
 
 _CONFIG: dict[str, pytest.Config] = {}
@@ -288,17 +373,92 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _CONFIG["config"] = session.config
 
 
-def _crash_record(backend: str, case: Any, reason: str, nodeid: str) -> dict[str, Any]:
-    from mlacheck.judge import CRASH, Verdict
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Without xdist: the selected items (after -k / -m) are what this run means to run."""
+    if is_worker(session.config):
+        return
+    state: _State = session.config.stash[_STATE]
+    state.write_header([it.nodeid for it in session.items if _mla_param(it) is not None])
 
-    v = Verdict(case.id, backend, case.op, CRASH, reason, case=json.loads(case.to_json()))
+
+class _XdistHooks:
+    """The xdist controller collects nothing itself: it learns the selection from a worker."""
+
+    @staticmethod
+    def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+        config = _CONFIG.get("config")
+        if config is not None:
+            config.stash[_STATE].write_header(list(ids))
+
+
+def _mla_param(item: pytest.Item) -> Item | None:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("mla_item") if callspec else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The gate's exit code, from everything the results file holds (controller only)."""
+    if is_worker(session.config):
+        return
+    state: _State = session.config.stash[_STATE]
+    if state.results is None or not state.results.exists() or not state.header_written:
+        return
+    names = [state.backend(b).name for b in state.backend_names]
+    state.outcome = gate_outcome(state.results, names, state.policy)
+    # pytest keeps its own decisions: interrupted, internal and usage errors, nothing collected
+    if exitstatus in (0, 1) and state.outcome.code != 0:
+        session.exitstatus = state.outcome.code
+
+
+def gate_outcome(path: Path, requested_backends: list[str], policy: CoveragePolicy) -> Outcome:
+    """The gate decision for a results file (every line in it, before a --resume included).
+    `requested_backends`: the backends' names (Backend.name, as verdicts record them)."""
+    from mlacheck.outcome import Item as Counted
+    from mlacheck.outcome import decide
+
+    raw = results_file.read_raw(path)
+    items = [Counted(str(r.get("backend", "")), str(r.get("op", "")), str(r.get("case_id", "")),
+                     str(r.get("status", "")), str(r.get("reason", "")),
+                     bool(r.get("known_failure")))
+             for r in results_file.latest_per_item(raw.records)]
+    return decide(items, requested_backends=requested_backends, expected=len(raw.expected),
+                  policy=policy)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    from mlacheck.outcome import coverage_lines, exit_meaning
+
+    state: _State = config.stash[_STATE]
+    out = state.outcome
+    if out is None:
+        return
+    tr = terminalreporter
+    tr.section("mlacheck coverage (per backend x op)")
+    for line in coverage_lines(out.coverage):
+        tr.write_line(line)
+    code = out.code if exitstatus in (0, 1) else exitstatus
+    tr.write_line(f"mlacheck gate: exit {code} ({exit_meaning(code)})", bold=True,
+                  red=code != 0, green=code == 0)
+    for line in out.lines:
+        tr.write_line(f"  {line}")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = config.stash.get(_STATE, None)
+    if state is not None and state.temporary_results and not is_worker(config):
+        state.results.unlink(missing_ok=True)
+        os.environ.pop(_PRIVATE_RESULTS_ENV, None)
+
+
+def _crash_record(state: _State, item: Item, reason: str, nodeid: str) -> dict[str, Any]:
+    import json
+
+    from mlacheck.verdict import CRASH, Verdict
+
+    case, backend = item.case, item.backend
+    v = Verdict(case.id, state.backend(backend).name, case.op, CRASH, reason,
+                case=json.loads(case.to_json()))
     d = v.to_dict()
-    d["nodeid"] = nodeid
+    d.update(nodeid=nodeid, backend_spec=backend)
     return d
-
-
-def known_failure(backend: str, case_id: str) -> str | None:
-    """A documented real kernel finding (references/known_failures.yaml): reported as KNOWN."""
-    from mlacheck.known import lookup
-
-    return lookup(backend, case_id)

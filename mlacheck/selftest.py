@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from mlacheck.backends.faults import FAULTS, FaultSpec
-from mlacheck.judge import CRASH, FAIL, PASS, SKIP, Verdict
 from mlacheck.spec import Case
+from mlacheck.verdict import CRASH, FAIL, PASS, SKIP, Verdict
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 DEFAULT_MATRIX = "selftest"

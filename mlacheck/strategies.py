@@ -22,7 +22,6 @@ from hypothesis.errors import NoSuchExample
 
 from mlacheck.backends.base import Backend
 from mlacheck.harness import RunOptions, run_case
-from mlacheck.judge import CRASH, FAIL, Verdict
 from mlacheck.spec import (
     DEEPSEEK_V3,
     NO_YARN,
@@ -37,6 +36,7 @@ from mlacheck.spec import (
     SparseDecodeCase,
     vector_width,
 )
+from mlacheck.verdict import CRASH, FAIL, Verdict
 
 # 16 first: the head count every MLA kernel handles natively (no padding); then by size.
 HEAD_COUNTS: tuple[int, ...] = (16, 8, 12, 24, 32, 64, 128)

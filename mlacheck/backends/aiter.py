@@ -26,6 +26,7 @@ import contextlib
 import importlib
 import importlib.metadata
 import inspect
+import itertools
 import math
 import os
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -47,6 +48,8 @@ TARGET_DESCRIBE = "v0.1.20-46-ge4048607a5"
 REAL_MODULE = "aiter"
 MODEL_MODULE = "mlacheck.backends.aiter_model"
 INSTALL_HINT = "pip install mlacheck[rocm] -> amd-aiter"
+# The AITER model's chip (read by mlacheck.backends.aiter_model.jit.utils.chip_info).
+MODEL_GFX_ENV = "MLACHECK_AITER_MODEL_GFX"
 
 # The keyword parameters the adapter passes to each installed function. `_call` refuses a
 # keyword missing from this table, so the signature check below covers every call made.
@@ -634,7 +637,8 @@ class AiterAdapter:
     # -- loading
     def _load(self) -> AiterApi | str:
         if self._loaded is None:
-            self._loaded = load_api(self.api_module_name)
+            with pinned_environment(self.env):  # the model reads its chip from the environment
+                self._loaded = load_api(self.api_module_name)
         return self._loaded
 
     def _call(self, api: AiterApi, qualname: str, **kwargs: Any) -> Any:
@@ -1027,11 +1031,78 @@ def nonpersistent_factory() -> AiterAdapter:
 
 
 def model_factory() -> AiterAdapter:
-    """`aiter-model`: the same adapter over mlacheck's torch model of AITER's API (CPU)."""
+    """`aiter-model`: the same adapter over mlacheck's torch model of AITER's API (CPU), on
+    the chip MLACHECK_AITER_MODEL_GFX names (gfx942 by default)."""
     return AiterAdapter(MODEL_MODULE, persistent=True, name="aiter-model",
                         devices=("cpu", "cuda"))
+
+
+def _model_on(gfx: str) -> AiterAdapter:
+    """The model pinned to one chip, whatever the environment says: gfx942 (MI300, fp8
+    e4m3fnuz, no FP8 persistent prefill) and gfx950 (MI355, OCP e4m3fn, FP8 ASM prefill)
+    cover different paths, so the embedded default runs both."""
+    env = {**AITER_ENV_CONTROLS, MODEL_GFX_ENV: gfx}
+    return AiterAdapter(MODEL_MODULE, persistent=True, name=f"aiter-model-{gfx}",
+                        devices=("cpu", "cuda"), env=env)
+
+
+def model_gfx942_factory() -> AiterAdapter:
+    return _model_on("gfx942")
+
+
+def model_gfx950_factory() -> AiterAdapter:
+    return _model_on("gfx950")
 
 
 def model_nonpersistent_factory() -> AiterAdapter:
     return AiterAdapter(MODEL_MODULE, persistent=False, name="aiter-model-nonpersistent",
                         devices=("cpu", "cuda"))
+
+
+def folded_kv_offsets_wrong(case: DecodeCase, gfx: str | None = None) -> bool:
+    """Whether the AITER model's v1.2 planner gives this case a split work whose kv_offset
+    uses another request's last-page length (docs/gpu-results.md, finding 2). Plans only:
+    no tensors beyond the index arrays. gfx None: the chip the environment selects."""
+    from mlacheck.backends.aiter_model import _metadata
+    from mlacheck.backends.aiter_model.jit.utils import chip_info
+
+    if case.page_size == 1:
+        return False
+    env = {MODEL_GFX_ENV: gfx} if gfx else {}
+    with pinned_environment(env):
+        chip = chip_info.get_gfx()
+        cu_num = chip_info.get_cu_num()
+        chip_fp8 = fp8.fmt(fp8.chip_fp8_format(chip))
+        q_fmt, kv_fmt = fp8.fmt(case.quant.q), fp8.fmt(case.quant.kv)
+        if (q_fmt.is_fp8 and q_fmt.name != chip_fp8.name) or (
+                kv_fmt.is_fp8 and kv_fmt.name != chip_fp8.name):
+            return False  # the chip refuses the case: it never runs
+        heads = head_padding(case.num_heads).padded
+        lens = [r.kv_len for r in case.requests]
+        q_lens = [r.q_len for r in case.requests]
+        if not aiter_folds_heads(chip, heads, max(q_lens), q_fmt.is_fp8, kv_fmt.is_fp8):
+            return False
+        pages = [-(-n // case.page_size) for n in lens]
+        last = [n - (p - 1) * case.page_size for n, p in zip(lens, pages, strict=True)]
+        qo = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+        kv = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32)
+        split_cap = DEFAULT_MAX_SPLIT_PER_BATCH
+        if heads >= 128 and cu_num:
+            split_cap = min(split_cap, max(1, math.ceil(cu_num / len(lens))))
+        fp8_pair = q_fmt.is_fp8 and kv_fmt.is_fp8
+        try:
+            plan = _metadata.plan_for(
+                qo, kv, torch.tensor(last, dtype=torch.int32), heads, 1, True,
+                page_size=case.page_size,
+                kv_granularity=max(case.page_size, 32 if heads == 64 and fp8_pair else 16),
+                max_seqlen_qo=max(q_lens), uni_seqlen_qo=q_lens[0] if len(set(q_lens)) == 1 else -1,
+                max_split_per_batch=split_cap, q_dtype=q_fmt.dtype, kv_dtype=kv_fmt.dtype)
+        except Exception:  # a shape the planner refuses never runs: nothing to excuse
+            return False
+    page_ends = list(itertools.accumulate(pages))  # kv_indptr[r + 1], in pages
+    for row in plan.works:
+        req, ke, koff = row[0] // plan.head_fold, row[5], row[6]
+        end = page_ends[req]
+        if ke != end and koff != (end - ke - 1) * case.page_size + last[req]:
+            return True
+    return False

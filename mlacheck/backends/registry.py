@@ -23,11 +23,15 @@ BUILTIN: dict[str, str] = {
     "aiter-nonpersistent": "mlacheck.backends.aiter:nonpersistent_factory",
     "aiter-model": "mlacheck.backends.aiter:model_factory",
     "aiter-model-nonpersistent": "mlacheck.backends.aiter:model_nonpersistent_factory",
+    "aiter-model-gfx942": "mlacheck.backends.aiter:model_gfx942_factory",
+    "aiter-model-gfx950": "mlacheck.backends.aiter:model_gfx950_factory",
     "aiter-triton": "mlacheck.backends.aiter_triton:factory",
 }
 
-# Used by `mlacheck run` when no backend is named: runs everywhere, CPU included.
-DEFAULT_BACKEND = "aiter-model"
+# Used by `mlacheck run` when no backend is named: runs everywhere, CPU included. The AITER
+# model on both chips: gfx942 has no FP8 persistent prefill, gfx950 has it (and OCP fp8), so
+# together they exercise every op of the smoke matrix.
+DEFAULT_BACKENDS: tuple[str, ...] = ("aiter-model-gfx942", "aiter-model-gfx950")
 
 
 class BackendError(ValueError):

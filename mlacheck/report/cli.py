@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     title = f"mlacheck report: {path.name}"
     try:
         outdir.mkdir(parents=True, exist_ok=True)
+        run = {"expected": loaded.expected, "superseded": loaded.superseded}
         md = write_markdown(
-            loaded.verdicts, outdir / "report.md", unparsable=loaded.skipped, title=title
+            loaded.verdicts, outdir / "report.md", unparsable=loaded.skipped, title=title, **run
         )
         html = write_html(
             loaded.verdicts,
@@ -65,13 +66,14 @@ def main(argv: list[str] | None = None) -> int:
             unparsable=loaded.skipped,
             title=title,
             source=str(path),
+            **run,
         )
     except OSError as e:
         print(f"mlacheck report: error: cannot write the report: {e}", file=sys.stderr)
         return 1
     print(md)
     print(html)
-    print(summarise(loaded.verdicts, loaded.skipped).total_line())
+    print(summarise(loaded.verdicts, loaded.skipped, **run).total_line())
     return 0
 
 

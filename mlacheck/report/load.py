@@ -13,13 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlacheck.judge import CRASH, FAIL, Verdict
+from mlacheck.results import latest_per_item, read_raw
+from mlacheck.verdict import CRASH, FAIL, PASS, Verdict
 
 
 @dataclass
 class Loaded:
-    verdicts: list[Verdict] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)  # one per (backend, case): the latest
     bad_lines: list[int] = field(default_factory=list)  # 1-based numbers of unparsable lines
+    expected: int = 0  # items the run header(s) said would run (0: no header, unknown)
+    superseded: int = 0  # verdict lines replaced by a later line for the same item
 
     @property
     def skipped(self) -> int:
@@ -35,6 +38,10 @@ def parse_line(line: str) -> Verdict | None:
         d = json.loads(line)
     except ValueError:
         return None
+    return _verdict(d)
+
+
+def _verdict(d: object) -> Verdict | None:
     if not isinstance(d, dict) or not _well_formed(d):
         return None
     try:
@@ -52,17 +59,18 @@ def _well_formed(d: dict[str, Any]) -> bool:
 
 
 def read_results(path: str | Path) -> Loaded:
-    """All parsable verdicts of a results file, plus the numbers of the lines skipped."""
-    out = Loaded()
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            v = parse_line(line)
-            if v is None:
-                out.bad_lines.append(n)
-            else:
-                out.verdicts.append(v)
+    """The verdicts of a results file (the latest per backend x case: an `--append` of the
+    same items counts once), the numbers of the lines skipped, and what the run expected."""
+    raw = read_raw(path)
+    out = Loaded(bad_lines=list(raw.bad_lines), expected=len(raw.expected))
+    latest = latest_per_item(raw.records)
+    out.superseded = len(raw.records) - len(latest)
+    for d in latest:
+        v = _verdict(d)
+        if v is None:
+            out.bad_lines.append(0)
+        else:
+            out.verdicts.append(v)
     return out
 
 
@@ -90,3 +98,8 @@ def known_failure(v: Verdict) -> str:
 def is_known(v: Verdict) -> bool:
     """A FAIL/CRASH that is a documented finding: counted as KNOWN, still shown."""
     return bool(known_failure(v)) and v.status in (FAIL, CRASH)
+
+
+def is_xpass(v: Verdict) -> bool:
+    """A documented finding whose case now passes: its rule is stale (strict: fails the gate)."""
+    return bool(known_failure(v)) and v.status == PASS

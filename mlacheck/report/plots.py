@@ -12,8 +12,8 @@ import math
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
-from mlacheck.judge import CRASH, FAIL, PASS, SKIP
 from mlacheck.report.summary import KNOWN, STATUSES, Failure, Summary, ratio
+from mlacheck.verdict import CRASH, FAIL, PASS, SKIP
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

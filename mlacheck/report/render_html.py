@@ -12,15 +12,16 @@ import json
 from html import escape
 from pathlib import Path
 
-from mlacheck.judge import CRASH, FAIL, PASS, SKIP, Verdict
+from mlacheck.outcome import KNOWN, XPASS
 from mlacheck.report import plots
 from mlacheck.report.load import known_failure
 from mlacheck.report.render_md import warnings_of
-from mlacheck.report.summary import KNOWN, Failure, Summary, bucket, ratio, summarise
+from mlacheck.report.summary import Failure, Summary, bucket, ratio, summarise
+from mlacheck.verdict import CRASH, ERROR, FAIL, PASS, SKIP, Verdict
 
 MAX_HEATMAPS = 40  # heat maps embedded (each ~30-60 kB); later failures get text only
 MAX_WHERE = 40  # where-messages listed per failure
-ROW_ORDER = {FAIL: 0, CRASH: 1, KNOWN: 2, SKIP: 3, PASS: 4}
+ROW_ORDER = {FAIL: 0, CRASH: 1, ERROR: 2, XPASS: 3, KNOWN: 4, SKIP: 5, PASS: 6}
 
 CSS = """
 *{box-sizing:border-box}
@@ -41,7 +42,8 @@ h3{font-size:14px;margin:0 0 6px;word-break:break-all}
 .badges .badge{font-size:14px;padding:4px 12px}
 .badge.zero{opacity:.35}
 .PASS{background:#2e7d32}.FAIL{background:#c62828}.CRASH{background:#6a1b9a}
-.SKIP{background:#9e9e9e}.KNOWN{background:#ef6c00}.OTHER{background:#000}
+.SKIP{background:#9e9e9e}.KNOWN{background:#ef6c00}.ERROR{background:#37474f}
+.XPASS{background:#ad1457}.OTHER{background:#000}
 .warn{background:#fff4e5;border-left:4px solid #ef6c00;padding:6px 10px;margin:6px 0}
 nav{font-size:13px;margin-top:8px}nav a{margin-right:14px;color:#1565c0;text-decoration:none}
 .card{background:#fff;border:1px solid #ddd;border-left:6px solid #c62828;border-radius:6px;
@@ -99,9 +101,12 @@ def write_html(
     unparsable: int = 0,
     title: str = "mlacheck report",
     source: str = "",
+    expected: int = 0,
+    superseded: int = 0,
 ) -> Path:
     path = Path(path)
-    html = render_html(summarise(verdicts, unparsable), verdicts, title, source)
+    s = summarise(verdicts, unparsable, expected=expected, superseded=superseded)
+    html = render_html(s, verdicts, title, source)
     path.write_text(html, encoding="utf-8")
     return path
 
@@ -120,6 +125,11 @@ def _header(s: Summary, title: str, source: str) -> str:
             + " &mdash; details first, below"
         )
         cls = "bad"
+    elif s.by_status[ERROR] or s.by_status[XPASS]:
+        head, cls = (f"{s.by_status[ERROR]} suite error(s), {s.by_status[XPASS]} known "
+                     "failure(s) now passing (XPASS)"), "bad"
+    elif s.incomplete:
+        head, cls = f"INCOMPLETE: {s.total} of {s.expected} items have a verdict", "bad"
     elif ran:
         known = f", {s.by_status[KNOWN]} known failure(s)" if s.by_status[KNOWN] else ""
         head, cls = f"All {ran} executed cases pass{known}", "good"
@@ -358,7 +368,7 @@ def _num(x: object) -> str:
 
 
 def _cls(status: str) -> str:
-    return status if status in (PASS, FAIL, CRASH, SKIP, KNOWN) else "OTHER"
+    return status if status in (PASS, FAIL, CRASH, ERROR, SKIP, KNOWN, XPASS) else "OTHER"
 
 
 def _s(n: int) -> str:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mlacheck.judge import Verdict
 from mlacheck.report.load import known_failure
 from mlacheck.report.summary import Summary, summarise
+from mlacheck.verdict import Verdict
 
 MAX_MD_FAILURES = 50  # failure blocks in full; the rest listed one line each
 
@@ -26,24 +26,32 @@ def write_markdown(
     *,
     unparsable: int = 0,
     title: str = "mlacheck report",
+    expected: int = 0,
+    superseded: int = 0,
 ) -> Path:
     path = Path(path)
-    path.write_text(render_markdown(summarise(verdicts, unparsable), title), encoding="utf-8")
+    s = summarise(verdicts, unparsable, expected=expected, superseded=superseded)
+    path.write_text(render_markdown(s, title), encoding="utf-8")
     return path
 
 
 def warnings_of(s: Summary) -> list[str]:
     """Things about the run itself a reader must not miss."""
     w = []
+    if s.incomplete:
+        w.append(s.incomplete_line())
     if s.unparsable:
         w.append(
             f"{s.unparsable} unparsable line(s) in the results file were skipped "
             "(a truncated last line means the run died before finishing)"
         )
     if s.duplicates:
-        w.append(f"{s.duplicates} case x backend verdict(s) appear more than once (all counted)")
+        w.append(f"{s.duplicates} case x backend verdict line(s) were written again (re-runs): "
+                 "each item counts once, its latest verdict")
     for v in s.stale_known:
-        w.append(f"known failure now PASSES, remove its mark: {v.backend} {v.case_id}")
+        rule = v.known_rule or "see mlacheck/known.py"
+        w.append(f"XPASS: known failure now PASSES, remove its rule ({rule}): "
+                 f"{v.backend} {v.case_id}")
     return w
 
 

@@ -12,17 +12,21 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from mlacheck import tolerances
-from mlacheck.judge import CRASH, FAIL, PASS, SKIP, Verdict
-from mlacheck.report.load import is_known, known_failure
+from mlacheck.outcome import KNOWN, XPASS
+from mlacheck.report.load import is_known, is_xpass, known_failure
+from mlacheck.verdict import CRASH, ERROR, FAIL, PASS, SKIP, Verdict
 
-KNOWN = "KNOWN"
+# ERROR and XPASS are columns only when some verdict has them (see Summary.statuses).
 STATUSES: tuple[str, ...] = (PASS, FAIL, CRASH, SKIP, KNOWN)
 PHASES: tuple[str, ...] = ("inputs", "kernel", "golden", "baseline", "judge")
 
 
 def bucket(v: Verdict) -> str:
-    """The column a verdict is counted in: its status, or KNOWN for a documented finding."""
-    return KNOWN if is_known(v) else v.status
+    """The column a verdict is counted in: its status, KNOWN for a documented finding that
+    fails, XPASS for one that passes."""
+    if is_known(v):
+        return KNOWN
+    return XPASS if is_xpass(v) else v.status
 
 
 def ratio(v: Verdict) -> float | None:
@@ -107,8 +111,17 @@ class Summary:
     stale_known: list[Verdict] = field(default_factory=list)  # known failures that now PASS
     distributions: list[Distribution] = field(default_factory=list)
     timings: list[PhaseTime] = field(default_factory=list)
-    duplicates: int = 0  # case x backend entries seen more than once
+    duplicates: int = 0  # superseded verdict lines (the same case x backend written again)
     unparsable: int = 0  # lines of the results file that were skipped
+    expected: int = 0  # items the run meant to run (0: unknown)
+
+    @property
+    def incomplete(self) -> bool:
+        return self.total < self.expected
+
+    def incomplete_line(self) -> str:
+        return (f"INCOMPLETE: {self.total} of {self.expected} items have a verdict (the run "
+                "was interrupted or is still going; continue it with `mlacheck run --resume`)")
 
     @property
     def statuses(self) -> tuple[str, ...]:
@@ -119,13 +132,17 @@ class Summary:
     def total_line(self) -> str:
         parts = [f"{self.by_status[s]} {s}" for s in self.statuses]
         line = f"{self.total} case{_s(self.total)}: " + ", ".join(parts)
+        if self.incomplete:
+            line = f"INCOMPLETE ({self.total} of {self.expected} items): " + line
         if self.unparsable:
             line += f" ({self.unparsable} unparsable line{_s(self.unparsable)} skipped)"
         return line
 
 
-def summarise(verdicts: list[Verdict], unparsable: int = 0) -> Summary:
-    """Everything the markdown and HTML reports show, from the verdicts alone."""
+def summarise(verdicts: list[Verdict], unparsable: int = 0, *, expected: int = 0,
+              superseded: int = 0) -> Summary:
+    """Everything the markdown and HTML reports show, from the verdicts (one per item) and
+    what the run header said it would run."""
     return Summary(
         total=len(verdicts),
         by_status=Counter(bucket(v) for v in verdicts),
@@ -140,8 +157,10 @@ def summarise(verdicts: list[Verdict], unparsable: int = 0) -> Summary:
         stale_known=[v for v in verdicts if known_failure(v) and v.status == PASS],
         distributions=distributions(verdicts),
         timings=phase_times(verdicts),
-        duplicates=sum(n - 1 for n in Counter((v.case_id, v.backend) for v in verdicts).values()),
+        duplicates=superseded + sum(
+            n - 1 for n in Counter((v.case_id, v.backend) for v in verdicts).values()),
         unparsable=unparsable,
+        expected=expected,
     )
 
 
@@ -163,8 +182,9 @@ def skip_groups(verdicts: list[Verdict]) -> list[SkipGroup]:
 
 
 def failures_first(verdicts: list[Verdict]) -> list[Verdict]:
-    """Unexplained FAIL/CRASH verdicts: per backend x op, crashes first, then worst ratio."""
-    bad = [v for v in verdicts if v.status in (FAIL, CRASH) and not is_known(v)]
+    """Unexplained FAIL/CRASH verdicts and suite ERRORs: per backend x op, crashes first, then
+    worst ratio."""
+    bad = [v for v in verdicts if v.status in (FAIL, CRASH, ERROR) and not is_known(v)]
     return sorted(
         bad, key=lambda v: (v.backend, v.op, v.status != CRASH, -(ratio(v) or 0.0), v.case_id)
     )

@@ -10,8 +10,8 @@ import pytest
 
 from mlacheck.backends.aiter import MODEL_MODULE, AiterAdapter
 from mlacheck.harness import run_case
-from mlacheck.judge import Verdict
 from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
+from mlacheck.verdict import Verdict
 
 GFX_ENV = "MLACHECK_AITER_MODEL_GFX"  # the chip the AITER model pretends to be
 REVISION_ENV = "MLACHECK_AITER_MODEL_REVISION"  # head (AITER main) or pr3606

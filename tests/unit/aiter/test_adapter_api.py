@@ -32,10 +32,10 @@ from mlacheck.backends.aiter import (
     pinned_environment,
     signature_problem,
 )
-from mlacheck.backends.registry import BUILTIN, DEFAULT_BACKEND, resolve
+from mlacheck.backends.registry import BUILTIN, DEFAULT_BACKENDS, resolve
 from mlacheck.harness import run_case
-from mlacheck.judge import SKIP
 from mlacheck.spec import DecodeCase, Paging, PrefillCase, Quant, Request, Segment
+from mlacheck.verdict import SKIP
 
 SMALL_DECODE = DecodeCase(requests=(Request(1, 40),), num_heads=16, page_size=16)
 
@@ -62,7 +62,12 @@ def test_registry_names_and_default() -> None:
     assert BUILTIN["aiter-model"] == "mlacheck.backends.aiter:model_factory"
     assert BUILTIN["aiter-model-nonpersistent"] == (
         "mlacheck.backends.aiter:model_nonpersistent_factory")
-    assert DEFAULT_BACKEND == "aiter-model"
+    # the embedded default: the model on both chips, pinned whatever the environment says
+    assert DEFAULT_BACKENDS == ("aiter-model-gfx942", "aiter-model-gfx950")
+    for name in DEFAULT_BACKENDS:
+        pinned = resolve(name)
+        assert pinned.name == name and pinned.env["MLACHECK_AITER_MODEL_GFX"] == name[-6:]
+        assert pinned._load().gfx == name[-6:]
     real, model = resolve("aiter"), resolve("aiter-model")
     assert (real.name, real.persistent, real.api_module_name) == ("aiter", True, "aiter")
     assert (model.name, model.api_module_name) == ("aiter-model", "mlacheck.backends.aiter_model")

@@ -17,7 +17,6 @@ from _aiter_cases import (  # noqa: I001
 
 from mlacheck.backends.aiter import MODEL_MODULE, load_api
 from mlacheck.harness import run_case
-from mlacheck.judge import CRASH, FAIL, PASS, SKIP
 from mlacheck.spec import (
     NO_YARN,
     DecodeCase,
@@ -29,6 +28,7 @@ from mlacheck.spec import (
     Segment,
     SparseDecodeCase,
 )
+from mlacheck.verdict import CRASH, FAIL, PASS, SKIP
 
 pytestmark = pytest.mark.usefixtures("_model_present")
 

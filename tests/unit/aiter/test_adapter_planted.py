@@ -13,8 +13,8 @@ from _aiter_cases import describe, model_adapter, modelled_chip, require_model  
 from mlacheck.backends.aiter import AiterAdapter, AiterApi, HeadPadding, MetadataBuffers
 from mlacheck.harness import run_case
 from mlacheck.inputs import DecodeInputs
-from mlacheck.judge import CRASH, FAIL, PASS
 from mlacheck.spec import Case, DecodeCase, Quant, Request, SparseDecodeCase
+from mlacheck.verdict import CRASH, FAIL, PASS
 
 pytestmark = pytest.mark.usefixtures("_model_present")
 

@@ -15,9 +15,9 @@ from test_model_api import ModelBackend, alloc, model_env
 import mlacheck.backends.aiter_model as aiter
 from mlacheck import harness
 from mlacheck.backends.aiter_model import _metadata
-from mlacheck.judge import PASS
 from mlacheck.metadata import validate_mla_metadata
 from mlacheck.spec import DecodeCase, Placement, Quant, Request, SparseDecodeCase
+from mlacheck.verdict import PASS
 
 BF16 = Quant("bf16", "bf16")
 FNUZ = Quant("fp8_e4m3fnuz", "fp8_e4m3fnuz")  # gfx942

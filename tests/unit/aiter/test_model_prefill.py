@@ -11,8 +11,8 @@ from test_model_api import PS_TILE_Q, ModelBackend, model_env
 
 import mlacheck.backends.aiter_model as aiter
 from mlacheck import harness, inputs
-from mlacheck.judge import PASS
 from mlacheck.spec import Paging, PrefillCase, Quant, Segment
+from mlacheck.verdict import PASS
 
 FN = Quant("fp8_e4m3fn", "fp8_e4m3fn")
 FN_UNIT = Quant("fp8_e4m3fn", "fp8_e4m3fn", scale="unit")

@@ -23,8 +23,8 @@ from hypothesis.stateful import (
 
 from mlacheck.backends.aiter import AiterAdapter, AiterApi, MetadataBuffers
 from mlacheck.harness import run_case
-from mlacheck.judge import PASS
 from mlacheck.spec import DecodeCase, Request
+from mlacheck.verdict import PASS
 
 VERDICT_PREFIX = "harness verdict"
 KV_LENGTHS = st.integers(1, 320)

@@ -17,9 +17,9 @@ from mlacheck.backends import aiter_triton as at
 from mlacheck.backends.base import skip_reason
 from mlacheck.backends.registry import BUILTIN, resolve
 from mlacheck.harness import RunOptions, run_case
-from mlacheck.judge import SKIP
 from mlacheck.kvcache import PageTable
 from mlacheck.spec import DecodeCase, PrefillCase, Quant, Request, Segment, SparseDecodeCase
+from mlacheck.verdict import SKIP
 
 
 def test_importing_the_backend_imports_neither_triton_nor_aiter() -> None:

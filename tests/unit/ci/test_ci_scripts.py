@@ -110,21 +110,21 @@ def test_premerge_cpu_mode_passes(tmp_path: Path, tiny: Path) -> None:
         assert (art / f).stat().st_size > 0, f
     suite = ET.parse(art / "junit.xml").getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    assert suite is not None and int(suite.get("tests", "0")) == 3
+    assert suite is not None and int(suite.get("tests", "0")) == 6
     assert int(suite.get("failures", "0")) == 0 and int(suite.get("errors", "0")) == 0
     lines = (art / "results.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    # CPU fallback: no --backend, so the embedded default backend ran
-    from mlacheck.backends.registry import DEFAULT_BACKEND
+    records = [r for r in map(json.loads, lines) if "mlacheck_results" not in r]
+    # CPU fallback: no --backend, so the embedded default backends ran
+    from mlacheck.backends.registry import DEFAULT_BACKENDS
 
-    assert {r["backend"] for r in records} == {DEFAULT_BACKEND} and len(records) == 3
+    assert {r["backend"] for r in records} == set(DEFAULT_BACKENDS) and len(records) == 6
     assert "no GPU: CPU mode" in r.stdout
     # the one-screen summary: title, totals, the backend x op table, the verdict
     out = r.stdout
     assert "== mlacheck premerge: tiny ==" in out
-    assert "3 cases: " in out and "result: PASS (0 FAIL, 0 CRASH)" in out
+    assert "6 cases: " in out and "result: PASS (0 FAIL, 0 CRASH; exit 0)" in out
     assert any(
-        line.startswith(DEFAULT_BACKEND) and "mla_decode" in line for line in out.splitlines()
+        line.startswith(DEFAULT_BACKENDS[0]) and "mla_decode" in line for line in out.splitlines()
     )
     assert "<html" in (art / "report.html").read_text()[:2000].lower()
 
@@ -138,7 +138,7 @@ def test_premerge_failing_backend_exits_1_and_names_the_failure(tmp_path: Path, 
     r = run_script("premerge.sh", env, tmp_path)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr
     summary = r.stdout[r.stdout.index("== mlacheck premerge: tiny ==") :]
-    assert "result: FAIL (3 FAIL, 0 CRASH)" in summary
+    assert "result: FAIL (3 FAIL, 0 CRASH; exit 1)" in summary
     failures = [line.strip() for line in summary.splitlines() if line.startswith("  FAIL ")]
     assert len(failures) == 3
     decode = next(line for line in failures if " mla_decode " in line)
@@ -162,6 +162,15 @@ def test_premerge_require_gpu_without_gpu_is_one_line_exit_2(tmp_path: Path) -> 
     line = one_line(r.stderr)
     assert line.startswith("premerge: error: ") and "REQUIRE_GPU=1" in line
     assert not (tmp_path / "artifacts" / "results.jsonl").exists()
+
+
+def test_premerge_with_a_backend_that_runs_nothing_is_not_a_pass(tmp_path: Path, tiny: Path) -> None:
+    """Issue 12: `BACKENDS="aiter torch"` on a machine without AITER printed `result: PASS`.
+    A requested backend that executes no case fails the job (exit 6) with its skip reasons."""
+    r = run_script("premerge.sh", {"MATRIX": str(tiny), "BACKENDS": "aiter torch"}, tmp_path)
+    assert r.returncode == 6, r.stdout[-3000:] + r.stderr
+    assert "result: NOT ENOUGH RAN" in r.stdout and "result: PASS" not in r.stdout
+    assert "gate: backend aiter executed no case: aiter unavailable" in r.stdout
 
 
 def test_premerge_unknown_backend_is_one_line_exit_2(tmp_path: Path, tiny: Path) -> None:

@@ -25,7 +25,6 @@ from mlacheck import inputs as inputs_mod
 from mlacheck.backends.faults import FAULTS, make
 from mlacheck.backends.registry import resolve
 from mlacheck.harness import RunOptions, run_case
-from mlacheck.judge import CRASH, FAIL, PASS, Verdict
 from mlacheck.matrices import load
 from mlacheck.spec import (
     Case,
@@ -38,6 +37,7 @@ from mlacheck.spec import (
     Segment,
     SparseDecodeCase,
 )
+from mlacheck.verdict import CRASH, FAIL, PASS, Verdict
 
 CORRECT = ("torch", "torch-split", "torch-reverse", "aiter-model", "aiter-model-nonpersistent")
 BATCH = (Request(1, 37), Request(1, 100), Request(1, 64))  # partial, multi-page, full last page

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mlacheck.judge import CRASH, FAIL, PASS, SKIP, Check, Verdict, Where
-from mlacheck.judge import Verdict as RecordedVerdict
+from mlacheck.verdict import CRASH, FAIL, PASS, SKIP, Check, Verdict, Where
+from mlacheck.verdict import Verdict as RecordedVerdict
 
 PAGE_REASON = "page size 1 not in {16, 64}"
 HEADS_REASON = "num_heads 8 not in {16, 128}"

@@ -39,7 +39,9 @@ def mlacheck(*args: str, env: dict[str, str] | None = None, timeout: int = 300) 
 
 
 def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """The verdict lines of a results file (not its run headers)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return [x for x in lines if "mlacheck_results" not in x]
 
 
 @pytest.fixture
@@ -54,13 +56,17 @@ def test_run_smoke_on_default_backend_passes_and_writes_report(tmp_path: Path) -
     r = mlacheck("run", "--results", str(res))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     recs = records(res)
+    from mlacheck.backends.registry import DEFAULT_BACKENDS
     from mlacheck.matrices import load
 
-    assert len(recs) == len(load("smoke").cases)
+    smoke = load("smoke").cases
+    assert len(recs) == len(smoke) * len(DEFAULT_BACKENDS)
     statuses = [x["status"] for x in recs]
-    # the embedded default is a model of AITER on one chip: what it lacks is an honest SKIP
+    # the embedded default is a model of AITER on two chips: what a chip lacks is an honest
+    # SKIP, and together they PASS at least one case of every op of the matrix
     assert set(statuses) <= {"PASS", "SKIP"} and statuses.count("PASS") >= len(recs) // 2
     assert all(x["reason"] for x in recs if x["status"] == "SKIP")
+    assert {x["op"] for x in recs if x["status"] == "PASS"} == {mc.case.op for mc in smoke}
     assert (res.parent / "report.html").stat().st_size > 1000
     assert "FAIL" in (res.parent / "report.md").read_text()  # the totals table has the column
 
@@ -138,19 +144,19 @@ def test_list_shows_backends_and_matrix_counts() -> None:
 
 
 def test_resume_runs_only_what_the_results_file_lacks(tiny: Path, tmp_path: Path) -> None:
-    """An interrupted run (here: one line kept, one torn) continues where it stopped, with
-    workers that must all collect the same items."""
+    """An interrupted run (here: one verdict kept, one torn) continues where it stopped, with
+    workers that must all collect the same items; the torn line is cut, not kept."""
     res = tmp_path / "results.jsonl"
     r = mlacheck("run", "-b", "torch", "--matrix", str(tiny), "--results", str(res), "--no-report")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    full = res.read_text().splitlines()
-    res.write_text(full[0] + "\n" + full[1][:40])  # the second item was being written
+    header, first, second, _ = res.read_text().splitlines()
+    res.write_text(header + "\n" + first + "\n" + second[:40])  # the second was being written
     r = mlacheck("run", "-b", "torch", "--matrix", str(tiny), "--results", str(res),
                  "--resume", "-n", "2", "--no-report")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "1 item(s) already recorded" in r.stdout
-    recs = [json.loads(line) for line in res.read_text().splitlines()[2:]]  # after the torn one
-    done_first = json.loads(full[0])["case_id"]
-    assert sorted(x["case_id"] for x in recs) == sorted(
-        json.loads(line)["case_id"] for line in full[1:])
-    assert done_first not in {x["case_id"] for x in recs}
+    lines = res.read_text().splitlines()
+    assert all(json.loads(line) for line in lines)  # the torn line is gone
+    recs = records(res)
+    assert len(recs) == 3 and len({x["case_id"] for x in recs}) == 3
+    assert recs[0] == json.loads(first)

@@ -11,9 +11,9 @@ import pytest
 
 from mlacheck.backends.registry import resolve
 from mlacheck.harness import run_case
-from mlacheck.judge import PASS, SKIP
 from mlacheck.matrices import load
 from mlacheck.spec import PrefillCase
+from mlacheck.verdict import PASS, SKIP
 
 CI_SEEDS = (1, 2)  # seeds offsets for CI; the full check uses 20
 CI_CASES = 30  # the cheapest premerge cases (CPU seconds matter in CI)

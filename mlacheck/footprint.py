@@ -1,0 +1,113 @@
+"""How much memory a case needs, and whether the device has it, before anything is built.
+
+A case that cannot fit is the suite's problem, not the kernel's: the harness turns it into a
+SKIP naming the sizes (a matrix run) and `mlacheck replay` into a one-line exit-2 error, never
+a CRASH charged to the backend. The estimate counts what inputs.build and the references
+allocate: the unquantised fp32 originals and their stored copies, the paged pools, the
+output, and the golden's and baseline's largest working set.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from mlacheck import kvcache
+from mlacheck.golden.core import SCORE_BLOCK_BYTES
+from mlacheck.spec import FORMAT_BYTES, Case, PrefillCase
+
+FP32 = 4
+# The count below misses temporaries (casts, gathers, the backend's own copies): measured
+# peak RSS of a whole torch-backend case on CPU was 1.04-1.34x the count on four cases from
+# 0.5 to 2 GiB (decode kv 200k / MTP h128, prefill 4k, paged vectorized), so allow 1.5x.
+TEMPORARIES = 1.5
+# A case may use this share of the memory the device reports available: the rest is for the
+# interpreter, the backend's own buffers and the allocator's slack.
+FIT_FRACTION = 0.8
+
+
+@dataclass(frozen=True)
+class Footprint:
+    inputs: int
+    pools: int
+    references: int
+
+    @property
+    def total(self) -> int:
+        return int(TEMPORARIES * (self.inputs + self.pools + self.references))
+
+    def describe(self) -> str:
+        return (f"~{gib(self.total)} (inputs {gib(self.inputs)}, pools {gib(self.pools)}, "
+                f"references {gib(self.references)}, x{TEMPORARIES:g} for temporaries)")
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB" if n >= 2**24 else f"{n / 2**20:.3g} MiB"
+
+
+def estimate(case: Case) -> Footprint:
+    d, h = case.dims, case.num_heads
+    qb, kb = FORMAT_BYTES[case.quant.q], FORMAT_BYTES[case.quant.kv]
+    out_b = 2 if case.quant.q != "fp32" else FP32
+    if isinstance(case, PrefillCase):
+        tq, tk = case.total_q, case.total_kv
+        inputs = (tq * h * d.qk_head * (FP32 + qb) + tk * h * (d.qk_head + d.v_head) * (FP32 + kb)
+                  + tq * h * d.v_head * out_b)
+        pools = 0
+        if case.paging is not None:
+            ps = case.paging.page_size
+            lens = [s.kv_len for s in case.segments]
+            for width in (d.qk_head, d.v_head):
+                pages = kvcache.pool_page_count(lens, ps, ps * h * width * kb, case.placement)
+                pools += pages * ps * h * width * kb
+        longest = max(s.kv_len for s in case.segments)
+        rows = max(s.q_len for s in case.segments) * h
+        refs = 2 * longest * h * (d.qk_head + d.v_head) * FP32  # golden + baseline operands
+    else:
+        lens = [r.kv_len for r in case.requests]
+        tq, tk = case.total_q, sum(lens)
+        inputs = tq * h * d.latent * (FP32 + qb) + tk * d.latent * (FP32 + kb) + (
+            tq * h * d.kv_lora_rank * out_b)
+        ps = case.page_size
+        pages = kvcache.pool_page_count(lens, ps, ps * d.latent * kb, case.placement)
+        pools = pages * ps * d.latent * kb
+        longest = max(lens)
+        rows = max(r.q_len for r in case.requests) * h
+        refs = 2 * longest * d.latent * FP32
+    refs += min(SCORE_BLOCK_BYTES, rows * longest * FP32)
+    return Footprint(inputs, pools, refs)
+
+
+def available_bytes(device: str) -> int | None:
+    """Memory a case may take on `device` now (None: unknown, not checked)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return min(free, host_available() or free)  # inputs are built on the host first
+    return host_available()
+
+
+def host_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def does_not_fit(case: Case, device: str) -> str | None:
+    """None when the case fits, else a one-line reason naming the sizes."""
+    need = estimate(case)
+    have = available_bytes(device)
+    if have is None or need.total <= FIT_FRACTION * have:
+        return None
+    return (f"case needs {need.describe()}, more than {FIT_FRACTION:.0%} of the "
+            f"{gib(have)} available on {device}: too large for this machine")

@@ -1,0 +1,161 @@
+"""The results file: one JSON line per (case, backend) verdict, after a run header line.
+
+Every run (`mlacheck run`, or pytest with `--mla-results`) first appends a header line
+`{"mlacheck_results": SCHEMA, "run": {...}}` naming the items it means to run. That header
+is how a reader knows a file is mlacheck's (`--resume` refuses any other file) and how a
+report knows what was expected (an interrupted run reads INCOMPLETE, never all-pass).
+Verdict lines are appended and flushed one by one by whichever process ran the item (one
+`write` on an O_APPEND descriptor: atomic between xdist workers), so nothing is lost if a
+run dies; a run that dies mid-write leaves a torn last line, which `repair_torn_tail` cuts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Version of the header's layout; a reader accepts this and older.
+SCHEMA = 1
+HEADER_KEY = "mlacheck_results"
+
+ItemKey = tuple[str, str]  # (backend, case id)
+
+
+class NotAResultsFile(ValueError):
+    """A file that mlacheck did not write (no run header)."""
+
+
+@dataclass(frozen=True)
+class RunHeader:
+    """What one invocation meant to run."""
+
+    expected: tuple[ItemKey, ...]
+    backends: tuple[str, ...] = ()
+    matrix: str = ""
+    device: str = ""
+    started: float = 0.0
+
+    def to_line(self) -> str:
+        run = {"expected": [list(k) for k in self.expected], "backends": list(self.backends),
+               "matrix": self.matrix, "device": self.device, "started": self.started}
+        return json.dumps({HEADER_KEY: SCHEMA, "run": run}, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_record(cls, d: dict[str, Any]) -> RunHeader:
+        run = d.get("run") or {}
+        return cls(tuple((str(b), str(c)) for b, c in run.get("expected", [])),
+                   tuple(run.get("backends", [])), str(run.get("matrix", "")),
+                   str(run.get("device", "")), float(run.get("started", 0.0)))
+
+
+def new_header(expected: list[ItemKey], backends: list[str], matrix: str, device: str) -> RunHeader:
+    return RunHeader(tuple(expected), tuple(backends), matrix, device, time.time())
+
+
+def is_header(d: object) -> bool:
+    return isinstance(d, dict) and HEADER_KEY in d
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line with a single write on an O_APPEND descriptor, then fsync."""
+    data = line.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    append_line(path, json.dumps(record, default=str, sort_keys=True) + "\n")
+
+
+def repair_torn_tail(path: Path) -> int:
+    """Cut a torn last line (a run killed mid-write); returns the bytes removed."""
+    if not path.exists():
+        return 0
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return 0
+    keep = data.rfind(b"\n") + 1
+    with path.open("r+b") as f:
+        f.truncate(keep)
+    return len(data) - keep
+
+
+@dataclass
+class RawResults:
+    """A results file split into run headers and verdict records (dicts), in file order."""
+
+    headers: list[RunHeader] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    bad_lines: list[int] = field(default_factory=list)  # 1-based numbers of unparsable lines
+
+    @property
+    def expected(self) -> set[ItemKey]:
+        """Every item some run over this file meant to run."""
+        return {k for h in self.headers for k in h.expected}
+
+    @property
+    def written_by_mlacheck(self) -> bool:
+        return bool(self.headers)
+
+
+def read_raw(path: str | Path) -> RawResults:
+    """Headers and records of a results file; lines that are not JSON objects are counted."""
+    out = RawResults()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except ValueError:
+                out.bad_lines.append(n)
+                continue
+            if is_header(d):
+                out.headers.append(RunHeader.from_record(d))
+            elif isinstance(d, dict):
+                out.records.append(d)
+            else:
+                out.bad_lines.append(n)
+    return out
+
+
+def item_key(record: dict[str, Any]) -> ItemKey:
+    return (str(record.get("backend", "")), str(record.get("case_id", "")))
+
+
+def latest_per_item(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per (backend, case): the last one written (an `--append` of the same items
+    or a repeated backend must not count twice), in first-seen order."""
+    last: dict[ItemKey, dict[str, Any]] = {}
+    for r in records:
+        key = item_key(r)
+        last.pop(key, None)  # re-insert: order follows the latest write
+        last[key] = r
+    return list(last.values())
+
+
+def recorded_items(path: Path | None) -> set[ItemKey]:
+    """(backend as requested, case id) of every item the file has a verdict line for: the
+    keys `--resume` leaves out (a backend given by import path is recorded under its name)."""
+    if path is None or not path.exists():
+        return set()
+    return {(str(r.get("backend_spec") or r.get("backend", "")), str(r.get("case_id", "")))
+            for r in read_raw(path).records}
+
+
+def check_resumable(path: Path) -> None:
+    """`--resume` continues only a file mlacheck wrote (one with a run header)."""
+    if not path.exists():
+        return
+    if not read_raw(path).written_by_mlacheck:
+        raise NotAResultsFile(
+            f"{path} has no mlacheck run header: it was not written by `mlacheck run` (or by an "
+            "older mlacheck); refusing to --resume it (start a new results file)")

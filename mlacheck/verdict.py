@@ -1,0 +1,137 @@
+"""What a verdict is: statuses, checks, locations and their JSON form (no torch).
+
+The judge (mlacheck.judge) decides verdicts; the results file, the report, the gate decision
+(mlacheck.outcome) and CI scripts read them. Keeping the data model apart lets those readers
+load results without importing torch or the judging policy.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+PASS, FAIL, CRASH, SKIP = "PASS", "FAIL", "CRASH", "SKIP"
+# mlacheck itself failed on the case (building inputs or the golden): the suite's error,
+# never charged to the kernel under test.
+ERROR = "ERROR"
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    value: float | None = None
+    bound: float | None = None
+    detail: str = ""
+
+
+@dataclass
+class Where:
+    """One localised failure: which request/segment, tokens, heads, pages, pool bytes."""
+
+    check: str
+    request: int
+    tokens: tuple[int, int]  # [first, last] global token rows
+    request_tokens: tuple[int, int]  # [first, last] within the request
+    heads: list[int]
+    worst: float
+    bound: float
+    pages: list[int] = field(default_factory=list)
+    bytes: tuple[int, int] | None = None
+    region: str = ""
+
+    def message(self, unit: str) -> str:
+        kind = "segment" if unit == "segment" else "request"
+        h = ranges(self.heads)
+        s = (
+            f"{self.check}: {kind} {self.request} tokens {self.request_tokens[0]}-"
+            f"{self.request_tokens[1]} (rows {self.tokens[0]}-{self.tokens[1]}), heads {h}: "
+            f"worst {self.worst:.3g} > bound {self.bound:.3g}"
+        )
+        if self.pages:
+            s += f"; pages {ranges(self.pages, 12)}"
+        if self.bytes:
+            s += f", pool bytes {self.bytes[0]:#x}-{self.bytes[1]:#x} ({self.region})"
+        return s
+
+
+@dataclass
+class Verdict:
+    case_id: str
+    backend: str
+    op: str
+    status: str
+    reason: str = ""
+    checks: list[Check] = field(default_factory=list)
+    where: list[Where] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    case: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    # A documented real kernel finding (a rule in mlacheck/known.py) that matches this case:
+    # a FAIL/CRASH is reported KNOWN, a PASS is XPASS (the rule is stale).
+    known_failure: str = ""
+    known_rule: str = ""
+
+    @property
+    def failed_checks(self) -> list[Check]:
+        return [c for c in self.checks if not c.passed]
+
+    def summary(self) -> str:
+        """One screen a kernel engineer can act on."""
+        head = f"{self.status} {self.backend} {self.case_id}"
+        if self.reason:
+            head += f": {self.reason}"
+        lines = [head]
+        for c in self.failed_checks:
+            b = f" (value {c.value:.3g}, bound {c.bound:.3g})" if c.value is not None and c.bound is not None else ""
+            lines.append(f"  check {c.name} failed{b}{': ' + c.detail if c.detail else ''}")
+        unit = "segment" if self.op in ("mla_prefill", "paged_prefill") else "request"
+        lines += [f"  at {w.message(unit)}" for w in self.where[:12]]
+        if len(self.where) > 12:
+            lines.append(f"  ... and {len(self.where) - 12} more locations")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), default=_json_default, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Verdict:
+        """Inverse of to_dict; extra keys a results line carries (nodeid, wall, ...) are ignored."""
+        names = {f.name for f in fields(cls)}
+        d = {k: x for k, x in d.items() if k in names}
+        d["checks"] = [Check(**c) for c in d.get("checks", [])]
+        d["where"] = [
+            Where(**{**w, "tokens": tuple(w["tokens"]), "request_tokens": tuple(w["request_tokens"]),
+                     "bytes": tuple(w["bytes"]) if w.get("bytes") else None})
+            for w in d.get("where", [])
+        ]
+        return cls(**d)
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float):
+        return repr(o)
+    if isinstance(o, tuple):
+        return list(o)
+    return str(o)
+
+
+def ranges(xs: Iterable[int], limit: int = 64, sep: str = ",") -> str:
+    """[0,1,2,5,7,8] -> '0-2,5,7-8' (first `limit` runs)."""
+    xs = sorted(set(xs))
+    if not xs:
+        return "-"
+    runs, start, prev = [], xs[0], xs[0]
+    for x in xs[1:]:
+        if x != prev + 1:
+            runs.append((start, prev))
+            start = x
+        prev = x
+    runs.append((start, prev))
+    s = sep.join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:limit])
+    return s + (f",... ({len(xs)} total)" if len(runs) > limit else "")

@@ -1,0 +1,286 @@
+"""The exit code is the product (README "Exit codes"): each row of the contract, and each way
+the gate used to go green while a failure was on record or the requested kernel never ran."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlacheck import harness, inputs, outcome
+from mlacheck.backends.registry import resolve
+from mlacheck.outcome import CoveragePolicy, Item, decide
+from mlacheck.spec import DecodeCase, PrefillCase, Request, Segment, case_from_json
+from mlacheck.verdict import CRASH, ERROR, FAIL, PASS, SKIP
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+TINY = """
+name: tiny
+description: two small cases
+groups:
+  - name: decode
+    kind: decode
+    base: {requests: [[1, 70], [2, 130]], page_size: 16, num_heads: 16}
+  - name: prefill
+    kind: prefill
+    base: {segments: [[20, 10], [24, 0]], num_heads: 16}
+"""
+# finding 1's minimal case (decode, kv 300, page 16): a known failure of aiter-triton
+XPASS_MATRIX = """
+name: xpass
+description: a case a known-failure rule documents
+groups:
+  - name: decode
+    kind: decode
+    base: {requests: [[1, 300]], page_size: 16, num_heads: 16}
+"""
+
+
+def clean_env() -> dict[str, str]:
+    """This test's environment without the outer xdist worker's variables."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**clean_env(), "PYTHONPATH": os.pathsep.join(filter(None, [str(FIXTURES),
+                                                                   os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "mlacheck.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=cwd)
+
+
+def pytest_suite(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "--pyargs", "mlacheck.suite", *args], capture_output=True, text=True,
+                          timeout=300, env=clean_env())
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    p = tmp_path / "tiny.yaml"
+    p.write_text(TINY)
+    return p
+
+
+def one_line_error(r: subprocess.CompletedProcess[str]) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- the decision
+
+
+def items(*statuses: str, backend: str = "b", op: str = "mla_decode", known: bool = False
+          ) -> list[Item]:
+    return [Item(backend, op, f"c{i}", s, "why" if s == SKIP else "", known)
+            for i, s in enumerate(statuses)]
+
+
+@pytest.mark.parametrize("case, code", [
+    (items(PASS, PASS, SKIP), outcome.EXIT_OK),
+    (items(PASS, FAIL), outcome.EXIT_KERNEL_FAILURE),
+    (items(PASS, CRASH), outcome.EXIT_KERNEL_FAILURE),
+    (items(PASS, ERROR), outcome.EXIT_SUITE_ERROR),
+    (items(SKIP, SKIP), outcome.EXIT_NOT_ENOUGH_RAN),
+    (items(FAIL, known=True) + items(PASS, backend="b"), outcome.EXIT_OK),  # KNOWN
+    (items(PASS, known=True), outcome.EXIT_KERNEL_FAILURE),  # strict XPASS
+    (items(FAIL, ERROR, SKIP, SKIP), outcome.EXIT_KERNEL_FAILURE),  # the kernel's code wins
+    (items(ERROR, SKIP), outcome.EXIT_SUITE_ERROR),
+])
+def test_decide_maps_outcomes_to_the_documented_codes(case: list[Item], code: int) -> None:
+    assert decide(case).code == code
+
+
+def test_a_requested_backend_that_ran_nothing_fails_with_its_skip_reasons() -> None:
+    got = decide(items(PASS, backend="torch") + items(SKIP, SKIP, backend="aiter"),
+                 requested_backends=["torch", "aiter"])
+    assert got.code == outcome.EXIT_NOT_ENOUGH_RAN
+    assert got.lines == ["backend aiter executed no case: why (2)"]
+    # a requested backend with no verdict at all (e.g. every item deselected) too
+    got = decide(items(PASS, backend="torch"), requested_backends=["torch", "aiter"])
+    assert got.code == outcome.EXIT_NOT_ENOUGH_RAN and "backend aiter executed no case" in got.lines
+
+
+def test_coverage_policy_options() -> None:
+    run_ = items(PASS, SKIP, SKIP, SKIP) + items(SKIP, op="mla_prefill")
+    assert decide(run_).code == outcome.EXIT_OK
+    assert decide(run_, policy=CoveragePolicy(require_ops=("mla_decode",))).code == 0
+    got = decide(run_, policy=CoveragePolicy(require_ops=("mla_prefill",)))
+    assert got.code == outcome.EXIT_NOT_ENOUGH_RAN and "no mla_prefill case" in got.lines[0]
+    got = decide(run_, policy=CoveragePolicy(min_executed=0.5))
+    assert got.code == outcome.EXIT_NOT_ENOUGH_RAN and "executed 1 of 4 (25% < " in got.lines[0]
+    assert decide(items(PASS, known=True), policy=CoveragePolicy(allow_xpass=True)).code == 0
+
+
+def test_an_incomplete_run_is_not_a_pass() -> None:
+    got = decide(items(PASS, PASS), expected=5)
+    assert got.code == outcome.EXIT_NOT_ENOUGH_RAN and got.incomplete
+    assert got.lines == ["INCOMPLETE: 2 of 5 items have a verdict"]
+
+
+# --------------------------------------------------------------------------- mlacheck run
+
+
+def test_resume_keeps_failures_recorded_before_it(tiny: Path, tmp_path: Path) -> None:
+    """Issue 12: a retry with --resume turned a run with FAILs green."""
+    res = tmp_path / "r.jsonl"
+    r = run("run", "-b", "bad_backends:perturb_request", "--matrix", str(tiny), "--results",
+            str(res), "--no-report")
+    assert r.returncode == 1, r.stdout[-2000:]
+    r = run("run", "-b", "bad_backends:perturb_request", "--matrix", str(tiny), "--results",
+            str(res), "--no-report", "--resume")
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "2 FAIL, 0 CRASH" in r.stdout
+
+
+def test_backend_that_cannot_run_anything_and_empty_selection(tiny: Path, tmp_path: Path) -> None:
+    r = run("run", "-b", "aiter", "--matrix", str(tiny), "--results", str(tmp_path / "r.jsonl"),
+            "--no-report")
+    assert r.returncode == outcome.EXIT_NOT_ENOUGH_RAN, r.stdout[-2000:]
+    assert "backend aiter executed no case: aiter unavailable: aiter not installed" in r.stdout
+    assert re.search(r"aiter\s+mla_decode\s+0\s+1\s+aiter unavailable", r.stdout)  # the table
+    r = run("run", "-b", "torch", "--matrix", str(tiny), "--results", str(tmp_path / "k.jsonl"),
+            "--no-report", "-k", "nosuchcase")
+    assert r.returncode == outcome.EXIT_NOTHING_COLLECTED, r.stdout[-2000:]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--device", "cuda"], "requested but torch"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--results", "/proc/no/such/r.jsonl"], "results file /proc/no/such/r.jsonl"),
+    (["--require-ops", "mla_nonsense"], "unknown op 'mla_nonsense'"),
+    (["--timeout", "10", "--min-executed", "1.5"], "--min-executed must be a fraction"),
+])
+def test_environment_problems_are_one_line_exit_2_before_any_case(
+        args: list[str], needle: str, tiny: Path, tmp_path: Path) -> None:
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("a GPU is visible: --device cuda is valid here")
+    r = run("run", "-b", "torch", "--matrix", str(tiny), "--no-report", *(
+        args if "--results" in args else [*args, "--results", str(tmp_path / "r.jsonl")]))
+    assert r.returncode == outcome.EXIT_USAGE, r.stdout[-2000:]
+    assert needle in one_line_error(r)
+    assert "test_mla" not in r.stdout  # no case ran
+
+
+def test_output_paths_checked_up_front(tiny: Path, tmp_path: Path) -> None:
+    r = run("run", "-b", "torch", "--matrix", str(tiny), "--no-report", "--results", str(tmp_path))
+    assert r.returncode == 2 and "is a directory" in one_line_error(r)
+    # missing directories are made, for the results and the JUnit file alike
+    res, junit = tmp_path / "a" / "r.jsonl", tmp_path / "b" / "c" / "junit.xml"
+    r = run("run", "-b", "torch", "--matrix", str(tiny), "--no-report", "--results", str(res),
+            "--junit", str(junit))
+    assert r.returncode == 0 and res.exists() and junit.exists(), r.stdout[-2000:] + r.stderr
+
+
+def test_xpass_is_strict_unless_allowed(tmp_path: Path) -> None:
+    m = tmp_path / "xpass.yaml"
+    m.write_text(XPASS_MATRIX)
+    args = ["run", "-b", "bad_backends:correct_under_a_documented_name", "--matrix", str(m),
+            "--results", str(tmp_path / "r.jsonl"), "--no-report"]
+    r = run(*args)
+    assert r.returncode == 1, r.stdout[-2000:]
+    assert "XPASS" in r.stdout and "aiter-triton-partial-page-tail" in r.stdout
+    assert run(*args, "--allow-xpass").returncode == 0
+
+
+def test_resume_refuses_a_file_mlacheck_did_not_write(tiny: Path, tmp_path: Path) -> None:
+    res = tmp_path / "r.jsonl"
+    res.write_text('{"case_id": "x", "backend": "torch", "status": "PASS"}\n')
+    r = run("run", "-b", "torch", "--matrix", str(tiny), "--results", str(res), "--resume",
+            "--no-report")
+    assert r.returncode == 2 and "no mlacheck run header" in one_line_error(r)
+
+
+def test_append_and_repeated_backends_count_each_item_once(tiny: Path, tmp_path: Path) -> None:
+    res = tmp_path / "r.jsonl"
+    for extra in ([], ["--append"]):
+        r = run("run", "-b", "torch", "-b", "torch,torch", "--matrix", str(tiny), "--results",
+                str(res), *extra)
+        assert r.returncode == 0, r.stdout[-2000:]
+    assert "x backends torch on" in r.stdout  # named three times, run once
+    md = (tmp_path / "report.md").read_text()
+    assert "**2 cases: 2 PASS" in md and "written again" in md
+
+
+def test_interrupted_run_reads_incomplete_in_terminal_and_reports(tiny: Path, tmp_path: Path) -> None:
+    res = tmp_path / "r.jsonl"
+    r = run("run", "-b", "torch", "--matrix", str(tiny), "--results", str(res), "--no-report")
+    assert r.returncode == 0
+    header, first, _ = res.read_text().splitlines()
+    res.write_text(header + "\n" + first + "\n")  # the run was killed after one item
+    r = run("report", str(res))
+    assert r.returncode == 0 and "INCOMPLETE (1 of 2 items)" in r.stdout
+    assert "INCOMPLETE: 1 of 2 items" in (tmp_path / "report.md").read_text()
+    assert "INCOMPLETE: 1 of 2 items" in (tmp_path / "report.html").read_text()
+    from mlacheck.pytest_plugin import gate_outcome
+
+    assert gate_outcome(res, ["torch"], CoveragePolicy()).code == outcome.EXIT_NOT_ENOUGH_RAN
+
+
+# --------------------------------------------------------------------------- plain pytest
+
+
+def test_plain_pytest_bad_backend_is_pytests_usage_error() -> None:
+    r = pytest_suite("--mla-backend", "nosuch")
+    assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "unknown backend 'nosuch'" in r.stderr
+
+
+def test_plain_pytest_uses_the_gate_code(tiny: Path) -> None:
+    r = pytest_suite("--mla-backend", "torch,aiter", "--mla-matrix", str(tiny))
+    assert r.returncode == outcome.EXIT_NOT_ENOUGH_RAN, r.stdout[-3000:]
+    assert "mlacheck gate: exit 6" in r.stdout and "backend aiter executed no case" in r.stdout
+
+
+# --------------------------------------------------------------------------- suite errors
+
+
+def test_a_case_too_large_for_the_machine_is_a_skip_naming_sizes_not_a_crash() -> None:
+    huge = DecodeCase(requests=(Request(1, 10**12),))
+    v = harness.run_case(huge, resolve("torch"))
+    assert v.status == SKIP and "GiB" in v.reason and "too large for this machine" in v.reason
+    r = run("replay", huge.to_json(), "--backend", "torch")
+    assert r.returncode == 2 and "too large for this machine" in one_line_error(r)
+
+
+def test_failure_building_inputs_is_a_suite_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(case, device):  # noqa: ANN001, ANN202
+        raise RuntimeError("generator bug")
+
+    monkeypatch.setattr(inputs, "build", broken)
+    v = harness.run_case(PrefillCase(segments=(Segment(8),)), resolve("torch"))
+    assert v.status == ERROR and v.reason.startswith("suite error while building the inputs")
+    assert decide([Item("torch", v.op, v.case_id, v.status)]).code == outcome.EXIT_SUITE_ERROR
+
+
+# --------------------------------------------------------------------------- stable ids
+
+
+def test_adding_a_defaulted_field_keeps_ids_and_data() -> None:
+    """A later field at its default is left out of the identity: pinned ids (known-failure
+    minimal cases, docs, replays) and the generated data stay the same."""
+
+    @dataclasses.dataclass(frozen=True)
+    class DecodeCaseV2(DecodeCase):
+        new_knob: int = 0
+        LATER_FIELDS = frozenset({"new_knob"})
+
+    old = DecodeCase(requests=(Request(1, 300),), num_heads=16, page_size=16)
+    new = DecodeCaseV2(requests=(Request(1, 300),), num_heads=16, page_size=16)
+    pinned = "dec-b1-kv300-h16-p16-bf16-shuffled-a66560d0"
+    assert old.id == new.id == pinned
+    assert old.seed_material == new.seed_material
+    a, b = inputs.build(old), inputs.build(new)
+    assert torch.equal(a.q.stored.view(torch.int16), b.q.stored.view(torch.int16))
+    assert torch.equal(a.pool.data.view(torch.int16), b.pool.data.view(torch.int16))
+    # the field still counts when it is set, and the results file records it either way
+    assert DecodeCaseV2(requests=(Request(1, 300),), new_knob=3).id != pinned
+    assert json.loads(new.to_json())["new_knob"] == 0
+    assert case_from_json(old.to_json()).id == pinned

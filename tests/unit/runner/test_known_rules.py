@@ -1,0 +1,130 @@
+"""Known failures are rules (mlacheck/known.py): each documents a real finding, reproduces on
+its minimal case, matches cases of the shipped matrices, and is strict (XPASS fails)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mlacheck import harness, known
+from mlacheck.backends.aiter_triton import NVIDIA_FP8_Q_MIN_PAGE, NVIDIA_PAGES, TritonCapability
+from mlacheck.backends.base import Range
+from mlacheck.backends.registry import resolve
+from mlacheck.matrices import load, names
+from mlacheck.spec import OPS, DecodeCase
+
+# The 41 ids that the H100 nightly of 2026-11-22 reported for finding 1 (the rule's origin).
+FINDING_1_NIGHTLY_IDS = frozenset({
+    "dec-b1-kv300-h16-p16-bf16-shuffled-a66560d0",
+    "dec-b1-kv513-h16-p16-bf16-shuffled-29e4445a",
+    "dec-b1-kv513-h16-p16-fp16-shuffled-63b13712",
+    "dec-b1-kv513-h16-p64-bf16-shuffled-445e8f89",
+    "dec-b1-kv513-h16-p64-e4m3fn-amax-shuffled-97823351",
+    "dec-b1-kv513-h16-p64-e4m3fn-unit-shuffled-db24d198",
+    "dec-b1-kv513-h16-p64-fp16-shuffled-d71a016d",
+    "dec-b128-kv1-160-h16-p16-bf16-shuffled-bca36e12",
+    "dec-b128-kv1000-32768-h128-p64-bf16-shuffled-7f65875f",
+    "dec-b128-kv1000-32768-h128-p64-e4m3fn-amax-shuffled-7a838006",
+    "dec-b128-kv1000-32768-h16-p64-bf16-shuffled-7d44f33a",
+    "dec-b128-kv1000-32768-h16-p64-e4m3fn-amax-shuffled-752d649e",
+    "dec-b2-kv17-900-h16-p16-bf16-shuffled-a83a6c30",
+    "dec-b2-kv45-200-h16-p16-bf16-e4m3fn-amax-shuffled-a21043ab",
+    "dec-b2-kv45-200-h16-p64-bf16-e4m3fn-amax-shuffled-a66851d8",
+    "dec-b3-kv33-260-h12-p64-bf16-shuffled-b3216ee5",
+    "dec-b3-kv33-260-h128-p64-bf16-shuffled-387ac3f7",
+    "dec-b3-kv33-260-h16-p64-bf16-shuffled-c87ccb0c",
+    "dec-b3-kv33-260-h24-p64-bf16-shuffled-d45ba7a1",
+    "dec-b3-kv33-260-h32-p64-bf16-shuffled-987d6ac4",
+    "dec-b3-kv33-260-h64-p64-bf16-shuffled-9bff1f56",
+    "dec-b3-kv33-260-h8-p64-bf16-shuffled-57fec49c",
+    "dec-b3-kv37-1100-h16-p16-bf16-high31-18b286f7",
+    "dec-b3-kv37-1100-h16-p16-bf16-high32-69efb50e",
+    "dec-b3-kv37-1100-h16-p64-bf16-high31-78fd5f15",
+    "dec-b3-kv37-1100-h16-p64-bf16-high32-9546e944",
+    "dec-b3-kv37-1100-h16-p64-e4m3fn-amax-high31-08882aa0",
+    "dec-b3-kv37-1100-h16-p64-e4m3fn-amax-high32-154efdb4",
+    "dec-b3-mtp2-kv37-1100-h16-p16-bf16-high31-de7544aa",
+    "dec-b3-mtp2-kv37-1100-h16-p16-bf16-high32-04d9d59f",
+    "dec-b3-mtp2-kv37-1100-h16-p64-bf16-high31-c89a6a21",
+    "dec-b3-mtp2-kv37-1100-h16-p64-bf16-high32-0ce3fbde",
+    "dec-b3-mtp2-kv37-1100-h16-p64-e4m3fn-amax-high31-9bd14009",
+    "dec-b3-mtp2-kv37-1100-h16-p64-e4m3fn-amax-high32-bcba5d54",
+    "dec-b32-kv10-400-h16-p16-bf16-shuffled-3329d8f9",
+    "dec-b8-kv1-700-h16-p16-bf16-shuffled-f7b5906f",
+    "dec-b8-kv1-700-h16-p16-fp16-shuffled-376f8a5c",
+    "dec-b8-kv1-700-h16-p64-bf16-shuffled-fa459ec0",
+    "dec-b8-kv1-700-h16-p64-e4m3fn-amax-shuffled-a41bd48b",
+    "dec-b8-kv1-700-h16-p64-e4m3fn-unit-shuffled-aa21a73a",
+    "dec-b8-kv1-700-h16-p64-fp16-shuffled-83846f78",
+})
+
+
+@pytest.mark.parametrize("rule", known.RULES, ids=lambda r: r.name)
+def test_rule_names_its_finding_a_backend_and_reproduces_on_its_minimal_case(rule) -> None:  # noqa: ANN001
+    for b in rule.backends:
+        resolve(b)  # a typo in a backend name would match nothing
+        assert rule.matches(b, rule.minimal_case)
+    assert rule.op in OPS
+    assert re.search(r"docs/gpu-results\.md, finding \d", rule.finding), rule.finding
+
+
+@pytest.mark.parametrize("rule", known.RULES, ids=lambda r: r.name)
+def test_every_rule_matches_a_case_of_some_matrix(rule) -> None:  # noqa: ANN001
+    assert any(rule.matches(rule.backends[0], mc.case) for m in names() for mc in load(m).cases)
+
+
+def _h100_triton_decode() -> TritonCapability:
+    """aiter-triton's mla_decode capability on the H100 (NVIDIA, Triton 3.6), as measured."""
+    fmts = ("bf16", "fp16", "fp8_e4m3fn")
+    pairs = {(f, f) for f in fmts} | {("bf16", "fp8_e4m3fn")}
+    return TritonCapability(q_formats=fmts, kv_formats=fmts, format_pairs=frozenset(pairs),
+                            scale_policies=("unit", "amax"), page_sizes=NVIDIA_PAGES,
+                            fp8_q_min_page=NVIDIA_FP8_Q_MIN_PAGE, head_counts=Range(1, 128),
+                            uniform_q_len=True, causal=(True,), devices=("cuda",))
+
+
+def test_finding_1_rule_selects_exactly_the_cases_that_failed_on_the_h100() -> None:
+    """Of the nightly decode cases aiter-triton runs on the H100, the rule matches exactly
+    the 41 that failed there (and none of the 13 that passed)."""
+    cap = _h100_triton_decode()
+    ran = [mc.case for mc in load("nightly").cases
+           if isinstance(mc.case, DecodeCase) and cap.why_not(mc.case, "cuda") is None]
+    matched = {c.id for c in ran if known.lookup("aiter-triton", c)}
+    assert matched == FINDING_1_NIGHTLY_IDS
+    assert len(ran) - len(matched) == 13
+
+
+def test_folded_heads_kv_offset_finding_reproduces_on_the_model() -> None:
+    """Finding 2's minimal case: the model of AITER's planner writes another request's tail
+    length into kv_offset, the metadata check fails, and the verdict carries the rule."""
+    rule = next(r for r in known.RULES if r.name.endswith("gfx942"))
+    v = harness.run_case(rule.minimal_case, resolve("aiter-model-gfx942"))
+    assert v.status == "FAIL" and v.reason == "metadata", v.summary()
+    assert v.known_rule == rule.name
+    meta = next(c for c in v.checks if c.name == "metadata")
+    assert "kv_offset 128, expected 132 (tokens of request 1" in meta.detail
+
+
+def test_a_known_failure_that_passes_is_marked_for_xpass() -> None:
+    """A rule matching a case that passes: the verdict still names the rule (the gate turns
+    it into XPASS); a backend the rule does not name gets nothing."""
+    rule = known.RULES[0]
+    v = harness.run_case(rule.minimal_case, resolve("torch"))
+    assert v.status == "PASS" and not v.known_rule
+
+    class Renamed:  # the correct torch backend under the name the rule documents
+        def __init__(self) -> None:
+            self.inner = resolve("torch")
+            self.name = rule.backends[0]
+
+        def __getattr__(self, a: str):  # noqa: ANN204
+            return getattr(self.inner, a)
+
+    v = harness.run_case(rule.minimal_case, Renamed())
+    assert v.status == "PASS" and v.known_rule == rule.name
+
+
+def test_nightly_case_of_finding_2_is_in_the_nightly_matrix() -> None:
+    ids = {mc.case.id for mc in load("nightly").cases}
+    assert "dec-b128-kv1000-32768-h128-p64-bf16-shuffled-7f65875f" in ids
