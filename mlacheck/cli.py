@@ -169,6 +169,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     from mlacheck.backends.registry import BackendError, available_names, resolve
     from mlacheck.matrices import load, names
 
+    if args.coverage:
+        return _print_coverage(args.coverage)
+
     print("backends:")
     for name in available_names():
         try:
@@ -186,6 +189,26 @@ def cmd_list(args: argparse.Namespace) -> int:
     print("matrices:")
     for m in names():
         print(f"  {m:10s} {len(load(m).cases)} cases")
+    return EXIT_OK
+
+
+def _print_coverage(matrices: list[str]) -> int:
+    """Which boundary classes (mlacheck/boundaries.py) each matrix covers, per op: the number
+    of cases, all of them and those a CPU gate runs (without large_kv)."""
+    from mlacheck import boundaries
+    from mlacheck.matrices import load, names
+
+    for name in matrices or names():
+        m = load(name)
+        every = boundaries.coverage(mc.case for mc in m.cases)
+        cpu = boundaries.coverage(mc.case for mc in m.cases if "large_kv" not in mc.markers)
+        print(f"{m.name} ({len(m.cases)} cases): boundary class / op: cases (without large_kv)")
+        for cls in boundaries.CLASSES:
+            cells = []
+            for op, n in every[cls.name].items():
+                mark = "" if n else "  <- MISSING" if cls.cpu else "  (needs large_kv)"
+                cells.append(f"{op} {n} ({cpu[cls.name][op]}){mark}")
+            print(f"  {cls.name:24s} " + "; ".join(cells))
     return EXIT_OK
 
 
@@ -292,7 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--allow-xpass", action="store_true",
                    help="a known failure that now passes does not fail the run (default: exit 1)")
 
-    sub.add_parser("list", help="backends available here and matrices")
+    ls = sub.add_parser("list", help="backends available here and matrices")
+    ls.add_argument("--coverage", nargs="*", default=None, metavar="MATRIX",
+                    help="show which boundary classes each matrix (default: all) covers, per op")
 
     rp = sub.add_parser("replay", help="re-run exactly one case and print the full verdict")
     rp.add_argument("case", help="case id, case.json, or JSON text")

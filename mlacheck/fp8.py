@@ -126,7 +126,9 @@ def overflow_threshold(name: str) -> float:
 
 
 def dequantize(x: torch.Tensor, scale: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """Stored values times the dequantisation scale, in fp32 (exact for every format here)."""
+    """Stored values times the dequantisation scale, in fp32: what a kernel computes. Exact for
+    bf16/fp16 and unit scales; an FP8 value times an amax scale can need 28 mantissa bits, so
+    that product is rounded to fp32 here (the fp64 golden multiplies in fp64 instead)."""
     return x.float() * scale
 
 

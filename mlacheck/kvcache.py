@@ -254,6 +254,8 @@ class KVPool:
     def byte_range(self, r: int) -> tuple[int, int]:
         """[lo, hi) byte offsets in the pool spanned by request r's pages."""
         pages = self.table.pages_of(r)
+        if pages.numel() == 0:  # an empty request owns no page
+            return 0, 0
         return int(pages.min()) * self.page_bytes, (int(pages.max()) + 1) * self.page_bytes
 
     def page_byte_range(self, page: int) -> tuple[int, int]:

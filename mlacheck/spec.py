@@ -156,7 +156,12 @@ class Placement:
 
 @dataclass(frozen=True)
 class Segment:
-    """One prefill request: `q_len` new tokens attending to `context_len` cached ones + itself."""
+    """One prefill request: `q_len` new tokens attending to `context_len` cached ones + itself.
+
+    q_len 0 is an empty segment: a repeated cu_seqlens entry, as serving engines produce for
+    padded batch slots (CUDA-graph padding) or a request with nothing new this step. It has
+    no output rows; a kernel must skip it without shifting the segments after it.
+    """
 
     q_len: int
     context_len: int = 0
@@ -169,7 +174,12 @@ class Segment:
 @dataclass(frozen=True)
 class Request:
     """One decode request: `q_len` query tokens (1, or 2..4 for MTP) over `kv_len` cached ones
-    (the kv includes the query tokens themselves, as in a serving engine)."""
+    (the kv includes the query tokens themselves, as in a serving engine).
+
+    q_len 0 is an empty request (a repeated qo_indptr entry): a padded batch slot (kv_len 0,
+    CUDA-graph padding) or a request whose cache is present but which decodes nothing this
+    step (kv_len > 0). kv_len 0 with q_len > 0 cannot exist: the kv holds the query tokens.
+    """
 
     q_len: int
     kv_len: int
@@ -255,8 +265,10 @@ class PrefillCase(_CaseBase):
         if not self.segments:
             raise ValueError("a prefill case needs at least one segment")
         for s in self.segments:
-            if s.q_len < 1 or s.context_len < 0:
-                raise ValueError(f"bad segment {s}: q_len >= 1 and context_len >= 0")
+            if s.q_len < 0 or s.context_len < 0:
+                raise ValueError(f"bad segment {s}: q_len >= 0 and context_len >= 0")
+        if self.total_q < 1:
+            raise ValueError("a prefill case needs at least one query token (all segments empty)")
         if self.soft_cap < 0:
             raise ValueError("soft_cap must be >= 0 (0 = off)")
         if self.paging is not None:
@@ -285,6 +297,11 @@ class PrefillCase(_CaseBase):
         return sum(s.kv_len for s in self.segments)
 
     @property
+    def has_empty(self) -> bool:
+        """Some segment has no query token (an empty segment)."""
+        return any(s.q_len == 0 for s in self.segments)
+
+    @property
     def slug(self) -> str:
         segs = len(self.segments)
         ctx = sum(s.context_len for s in self.segments)
@@ -293,6 +310,7 @@ class PrefillCase(_CaseBase):
             f"s{segs}",
             f"q{self.total_q}",
             f"ctx{ctx}" if ctx else "",
+            f"empty{sum(s.q_len == 0 for s in self.segments)}" if self.has_empty else "",
             f"h{self.num_heads}",
             self.quant.slug,
             "causal" if self.causal else "full",
@@ -327,6 +345,11 @@ class _Requests:
     def max_q_len(self) -> int:
         return max(r.q_len for r in self.requests)
 
+    @property
+    def has_empty(self) -> bool:
+        """Some request has no query token (an empty request)."""
+        return any(r.q_len == 0 for r in self.requests)
+
     def _batch_slug(self, kind: str) -> list[str]:
         kv = [r.kv_len for r in self.requests]
         return [
@@ -334,6 +357,7 @@ class _Requests:
             f"b{len(self.requests)}",
             f"mtp{self.max_q_len}" if self.max_q_len > 1 else "",
             f"kv{max(kv)}" if min(kv) == max(kv) else f"kv{min(kv)}-{max(kv)}",
+            f"empty{sum(r.q_len == 0 for r in self.requests)}" if self.has_empty else "",
         ]
 
 
@@ -431,8 +455,10 @@ def _check_requests(requests: tuple[Request, ...]) -> None:
     if not requests:
         raise ValueError("a decode case needs at least one request")
     for r in requests:
-        if r.q_len < 1 or r.kv_len < r.q_len:
-            raise ValueError(f"bad request {r}: need 1 <= q_len <= kv_len")
+        if r.q_len < 0 or r.kv_len < r.q_len:
+            raise ValueError(f"bad request {r}: need 0 <= q_len <= kv_len")
+    if sum(r.q_len for r in requests) < 1:
+        raise ValueError("a decode case needs at least one query token (all requests empty)")
 
 
 # --------------------------------------------------------------------------- serialisation

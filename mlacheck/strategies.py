@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
 from mlacheck.backends.base import Backend
+from mlacheck.boundaries import TILE_SIZES
 from mlacheck.harness import RunOptions, run_case
 from mlacheck.spec import (
     DEEPSEEK_V3,
@@ -102,16 +103,42 @@ def _quant_and_profile(
     return draw(st.sampled_from(allowed)), profile
 
 
+def _boundary_lengths(lo: int, hi: int) -> tuple[int, ...]:
+    """Tile-boundary lengths (a multiple of a tile, one below, one above) in [lo, hi]:
+    the shapes of mlacheck.boundaries, drawn before any other length."""
+    near = {n for m in TILE_SIZES for n in (m - 1, m, m + 1)}
+    return tuple(sorted(n for n in near if lo <= n <= hi))
+
+
+def _length(lo: int, hi: int) -> st.SearchStrategy[int]:
+    """A length in [lo, hi]: half the draws a tile boundary (when one fits), half anywhere.
+    `anywhere` comes first so a failure that needs no boundary still shrinks to the shortest
+    length; one that needs a boundary keeps it."""
+    near = _boundary_lengths(lo, hi)
+    anywhere = st.integers(lo, hi)
+    return st.one_of(anywhere, st.sampled_from(near)) if near else anywhere
+
+
+def _q_len(lo: int, hi: int, allow_empty: bool) -> st.SearchStrategy[int]:
+    """lo..hi, or 0 (an empty request / segment) when allowed: drawn second, so a failing
+    case shrinks away from empties unless they are what fails."""
+    some = st.integers(lo, hi)
+    return st.one_of(some, st.just(0)) if allow_empty else some
+
+
 @st.composite
-def _segments(draw: st.DrawFn, max_tokens: int, max_segments: int) -> tuple[Segment, ...]:
-    """1..max_segments segments whose q + context tokens sum to at most max_tokens."""
+def _segments(draw: st.DrawFn, max_tokens: int, max_segments: int,
+              allow_empty: bool = True) -> tuple[Segment, ...]:
+    """1..max_segments segments whose q + context tokens sum to at most max_tokens; kv
+    lengths at tile boundaries first; empty segments (q_len 0) among them when allowed."""
     n = draw(st.integers(1, min(max_segments, max_tokens)))
     budget = max_tokens
     out = []
     for i in range(n):
         cap = budget - (n - i - 1)  # leave one token for each later segment
-        q_len = draw(st.integers(1, cap))
-        context = draw(st.integers(0, cap - q_len))
+        empty_ok = allow_empty and (i < n - 1 or any(s.q_len for s in out))
+        q_len = draw(_q_len(1, cap, empty_ok))
+        context = draw(_length(0, cap - q_len))
         budget -= q_len + context
         out.append(Segment(q_len, context))
     return tuple(out)
@@ -122,6 +149,7 @@ def _prefill(
     draw: st.DrawFn, *, paged: bool, max_tokens: int, max_segments: int,
     head_counts: Sequence[int], quants: Sequence[Quant], profiles: Sequence[str],
     page_sizes: Sequence[int], layouts: Sequence[str], placements: Sequence[Placement],
+    soft_caps: Sequence[float] = SOFT_CAPS,
 ) -> PrefillCase:
     if max_tokens < 1 or max_segments < 1:
         raise ValueError("max_tokens and max_segments must be >= 1")
@@ -144,7 +172,7 @@ def _prefill(
         num_heads=draw(st.sampled_from(head_counts)),
         causal=draw(st.sampled_from((True, False))),
         quant=quant,
-        soft_cap=draw(st.sampled_from(SOFT_CAPS)),
+        soft_cap=draw(st.sampled_from(soft_caps)),
         return_lse=draw(st.sampled_from((True, False))),
         paging=paging,
         placement=placement,
@@ -159,11 +187,14 @@ def prefill_cases(
     head_counts: Sequence[int] = HEAD_COUNTS,
     quants: Sequence[Quant] = QUANTS,
     profiles: Sequence[str] = PROFILES,
+    soft_caps: Sequence[float] = SOFT_CAPS,
 ) -> st.SearchStrategy[PrefillCase]:
-    """Unpaged MHA-view prefill: multi-segment, chunked context, causal on/off, soft cap."""
+    """Unpaged MHA-view prefill: multi-segment (empty segments too), chunked context at tile
+    boundaries first, causal on/off, soft cap."""
     return _prefill(paged=False, max_tokens=max_tokens, max_segments=max_segments,
                     head_counts=head_counts, quants=quants, profiles=profiles,
-                    page_sizes=PAGE_SIZES, layouts=LAYOUTS, placements=PLACEMENTS)
+                    page_sizes=PAGE_SIZES, layouts=LAYOUTS, placements=PLACEMENTS,
+                    soft_caps=soft_caps)
 
 
 def paged_prefill_cases(
@@ -183,13 +214,16 @@ def paged_prefill_cases(
 
 
 @st.composite
-def _requests(draw: st.DrawFn, max_batch: int, max_q_len: int, max_kv: int
-              ) -> tuple[Request, ...]:
+def _requests(draw: st.DrawFn, max_batch: int, max_q_len: int, max_kv: int,
+              allow_empty: bool = True) -> tuple[Request, ...]:
+    """1..max_batch requests; kv lengths at tile boundaries first; empty requests (q_len 0)
+    among them when allowed (at least one request has a query token)."""
     n = draw(st.integers(1, max_batch))
     out = []
-    for _ in range(n):
-        q_len = draw(st.integers(1, min(max_q_len, max_kv)))
-        out.append(Request(q_len, draw(st.integers(q_len, max_kv))))
+    for i in range(n):
+        empty_ok = allow_empty and (i < n - 1 or any(r.q_len for r in out))
+        q_len = draw(_q_len(1, min(max_q_len, max_kv), empty_ok))
+        out.append(Request(q_len, draw(_length(q_len, max_kv))))
     return tuple(out)
 
 

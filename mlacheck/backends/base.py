@@ -52,6 +52,9 @@ class Capability:
     devices: Collection[str] = ("cpu", "cuda")
     max_batch: int | None = None
     max_topk: int | None = None
+    # Empty requests / segments (q_len 0: repeated qo_indptr / cu_seqlens entries, as padded
+    # batch slots give). Off unless the implementation is known to skip them correctly.
+    empty_requests: bool = False
     notes: str = ""
 
     def why_not(self, case: Case, device: str) -> str | None:
@@ -68,13 +71,16 @@ class Capability:
             (not q.per_token or self.per_token_scales, "per-token scales not supported"),
             (_ok(case.num_heads, self.head_counts),
              f"{case.num_heads} heads not in {_fmt(self.head_counts)}"),
+            (self.empty_requests or not case.has_empty,
+             "empty requests/segments (q_len 0) not supported"),
         ]
         if isinstance(case, PrefillCase):
             checks += [
                 (case.causal in self.causal, f"causal={case.causal} not supported"),
                 (not case.return_lse or self.lse, "LSE output not supported"),
                 (not case.soft_cap or self.soft_cap, "soft cap not supported"),
-                (all(s.q_len in self.q_len for s in case.segments), f"segment q_len outside {self.q_len}"),
+                (all(s.q_len in self.q_len for s in case.segments if s.q_len),
+                 f"segment q_len outside {self.q_len}"),
                 (self.max_batch is None or len(case.segments) <= self.max_batch,
                  f"{len(case.segments)} segments > max batch {self.max_batch}"),
             ]
@@ -90,7 +96,7 @@ class Capability:
             checks += [
                 (_ok(case.page_size, self.page_sizes),
                  f"page size {case.page_size} not in {_fmt(self.page_sizes)}"),
-                (all(r.q_len in self.q_len for r in case.requests),
+                (all(r.q_len in self.q_len for r in case.requests if r.q_len),
                  f"q_len {case.max_q_len} outside {self.q_len}"),
                 (self.max_batch is None or len(case.requests) <= self.max_batch,
                  f"batch {len(case.requests)} > max batch {self.max_batch}"),

@@ -34,6 +34,9 @@ class Numerics:
     splits: int = 1
     reverse: bool = False
     p_format: str | None = None  # None: the kv format (bf16 -> bf16 P, fp8 -> fp8 P)
+    # Format the running output (P.V accumulator) is kept in between kv blocks: fp32 in every
+    # correct kernel; "bf16" is the narrow-accumulation bug (fault:narrow-accumulation).
+    acc_format: str = "fp32"
 
 
 def p_format_for(kv_format: str, numerics: Numerics) -> str:
@@ -123,6 +126,8 @@ def _online(
         l = l * alpha + p.sum(-1, keepdim=True)
         p_r = fp8.round_trip(p, p_format) if p_format != "fp32" else p
         acc = acc * alpha + torch.matmul(p_r, vb)
+        if nm.acc_format != "fp32":
+            acc = fp8.round_trip(acc, nm.acc_format)
         m = m_new
     out = acc / l
     lse = (m + torch.log(l)).squeeze(-1)
@@ -151,8 +156,8 @@ class TorchBackend:
         return case.softmax_scale
 
     def capabilities(self) -> dict[str, Capability]:
-        full = Capability(soft_cap=True, per_token_scales=True)
-        decode = Capability(causal=(True,), per_token_scales=True)
+        full = Capability(soft_cap=True, per_token_scales=True, empty_requests=True)
+        decode = Capability(causal=(True,), per_token_scales=True, empty_requests=True)
         return {
             "mla_prefill": full,
             "paged_prefill": full,

@@ -62,11 +62,15 @@ class Operand:
         return Operand(fn(self.data), fn(self.scale) if per_element else self.scale)
 
     def get(self, dtype: torch.dtype) -> torch.Tensor:
-        """Dequantised in fp32 (fp8.dequantize's definition of the value), then in `dtype`."""
+        """Dequantised in `dtype`: stored value x scale computed in `dtype` itself, so the fp64
+        reference is exact (an FP8 value times an amax scale needs up to 28 mantissa bits: in
+        fp32 the product rounds); in fp32 it is fp8.dequantize's value."""
         # Layout is preserved (no .contiguous()): a transposed K view goes to the GEMM as a
         # transposed operand instead of being copied.
-        if isinstance(self.scale, torch.Tensor) or self.scale != 1.0:
-            return (self.data.float() * self.scale).to(dtype)
+        if isinstance(self.scale, torch.Tensor):
+            return self.data.to(dtype) * self.scale.to(dtype)
+        if self.scale != 1.0:
+            return self.data.to(dtype) * self.scale
         return self.data.to(dtype)
 
 

@@ -57,6 +57,7 @@ from typing import Any
 
 import yaml
 
+from mlacheck import boundaries
 from mlacheck.spec import (
     CASE_TYPES,
     Case,
@@ -290,10 +291,12 @@ def _expand_group(group: Any, index: int, file: str, seen: set[str]) -> list[Mat
         raise MatrixError(f"{where}: kind must be one of {', '.join(CASE_TYPES)}, not {kind!r}")
     covers = group.get("covers", []) or []
     if not isinstance(covers, list):
-        raise MatrixError(f"{where}: covers must be a list of DESIGN §5 bug classes (1..12)")
+        raise MatrixError(f"{where}: covers must be a list of DESIGN §5 bug classes (1..12) "
+                          "or boundary class names")
     for c in covers:
-        if isinstance(c, bool) or c not in BUG_CLASSES:
-            raise MatrixError(f"{where}: covers {c!r} is not a DESIGN §5 bug class (1..12)")
+        if isinstance(c, bool) or (c not in BUG_CLASSES and c not in boundaries.BY_NAME):
+            raise MatrixError(f"{where}: covers {c!r} is neither a DESIGN §5 bug class (1..12) "
+                              f"nor a boundary class ({', '.join(boundaries.BY_NAME)})")
     base = group.get("base", {}) or {}
     axes = dict(group.get("axes", {}) or {})
     if not isinstance(base, dict) or not isinstance(axes, dict):
@@ -333,6 +336,11 @@ def _expand_group(group: Any, index: int, file: str, seen: set[str]) -> list[Mat
             case = case_from_dict({"kind": kind, **_typed_fields(kind, fields)})
         except (ValueError, TypeError) as e:
             raise MatrixError(f"{where}: combination {label}: {e}".replace("\n", " ")) from None
+        claimed = [c for c in covers if isinstance(c, str)]
+        lacking = [c for c in claimed if c not in boundaries.classes_of(case)]
+        if lacking:  # a group must have the shapes it says it covers
+            raise MatrixError(f"{where}: combination {label} covers {', '.join(lacking)} "
+                              "in name only (its case lacks the shape; see mlacheck/boundaries.py)")
         marks = tuple(sorted(set(derived_markers(case)) | set(markers)))
         out.append(MatrixCase(case, marks, gname))
     for i, n in enumerate(rule_hits):

@@ -15,6 +15,9 @@ fault's module is imported when the fault is built. One module per family:
     paging.py      class 6 (32-bit offset wrap, reads past the live page), class 11
     fp8.py         class 7 (unit-scale FP8 re-cast)
     persistent.py  class 10 (stale persistent metadata)
+    boundary.py    the boundary classes of mlacheck/boundaries.py (tile multiples, long kv,
+                   wide page ids, empty requests/segments, one-token segments, soft cap,
+                   per-token scales, narrow accumulation)
 
 Each FaultSpec names the selftest-matrix groups (mlacheck/matrices/selftest.yaml) meant to
 expose it, the checks expected to fire there ("crash" for a refused call), the Hypothesis
@@ -34,7 +37,7 @@ PREFIX = "fault:"
 @dataclass(frozen=True)
 class FaultSpec:
     name: str
-    bug_class: int | str  # DESIGN §5 class number, or "generic"
+    bug_class: int | str  # DESIGN §5 class number, a boundary class name, or "generic"
     mechanism: str  # one line
     factory: str  # "module:function"; the function takes an optional `inner` backend name
     inner: str  # the correct backend it is planted in (registry name)
@@ -64,6 +67,7 @@ class FaultSpec:
 _M = "mlacheck.backends.faults"
 DECODE = ("mla_decode",)
 SPARSE = ("mla_sparse_decode",)
+PREFILL = ("mla_prefill",)
 
 _SPECS = (
     FaultSpec("decode-num-actual-tokens", 1,
@@ -180,6 +184,63 @@ _SPECS = (
               f"{_M}.generic:write_past_output", "torch",
               ("mla_prefill", "paged_prefill", "mla_decode", "mla_sparse_decode"),
               ("decode-mixed", "prefill-segments"), ("guards",), "decode_any"),
+    FaultSpec("tile-multiple-drops-last", "kv-multiple-of-256",
+              "a tile loop bound < instead of <= : a kv length that is an exact multiple of 256 "
+              "never visits its last 256-key tile",
+              f"{_M}.boundary:tile_multiple_drops_last", "torch", DECODE + PREFILL,
+              ("decode-tile-boundary",), ("row_error",), "decode_tile_boundary",
+              contrast="passes when no kv length is a multiple of 256"),
+    FaultSpec("kv-clamp-16k", "kv-longer-than-16384",
+              "kv_len clamped to 16384 (a 14-bit length, a buffer sized for 16k): longer "
+              "requests attend to their first 16384 keys",
+              f"{_M}.boundary:kv_clamp_16k", "torch", DECODE,
+              ("decode-long-kv",), ("row_error",), "decode_long_kv",
+              contrast="passes up to 16384 tokens"),
+    FaultSpec("page-id-int16", "page-id-past-2^15",
+              "page ids held in int16: ids >= 2^15 turn negative and read memory before the "
+              "pool",
+              f"{_M}.boundary:page_id_int16", "torch", DECODE,
+              ("decode-long-kv",), ("nonfinite",), "decode_long_kv",
+              contrast="passes while every page id is below 2^15"),
+    FaultSpec("page-id-uint16", "page-id-past-2^16",
+              "page ids held in uint16: ids >= 2^16 wrap and read another page",
+              f"{_M}.boundary:page_id_uint16", "torch", DECODE,
+              ("decode-long-kv",), ("row_error", "nonfinite"), "decode_long_kv",
+              contrast="passes while every page id is below 2^16"),
+    FaultSpec("empty-request-shift", "empty-request",
+              "empty decode requests dropped from qo_indptr but not from the page table: "
+              "requests after one read their predecessor's pages",
+              f"{_M}.boundary:empty_request_shift", "torch", DECODE,
+              ("decode-empty",), ("row_error", "quantisation_loss"), "decode_empty",
+              contrast="passes when empty requests come last"),
+    FaultSpec("empty-segment-shift", "empty-segment",
+              "empty prefill segments dropped from cu_seqlens_q but not from cu_seqlens_k: "
+              "later segments attend to another segment's K/V",
+              f"{_M}.boundary:empty_segment_shift", "torch", PREFILL,
+              ("prefill-empty",), ("row_error", "quantisation_loss"), "prefill_empty",
+              contrast="passes when empty segments come last"),
+    FaultSpec("single-token-no-context", "single-token-segment",
+              "a one-token segment in a prefill batch takes a decode-like path that forgets "
+              "its context: it attends to itself only",
+              f"{_M}.boundary:single_token_no_context", "torch", PREFILL,
+              ("prefill-single-token",), ("row_error",), "prefill_context",
+              contrast="passes when no one-token segment has context"),
+    FaultSpec("soft-cap-ignored", "soft-cap",
+              "the soft cap (cap * tanh(s / cap)) is not applied",
+              f"{_M}.boundary:soft_cap_ignored", "torch", PREFILL,
+              ("prefill-soft-cap",), ("row_error", "lse"), "prefill_soft_cap",
+              contrast="passes without a soft cap"),
+    FaultSpec("per-token-scale-ignored", "per-token-scale",
+              "per-token q scales read as one per-tensor scale (the first row's)",
+              f"{_M}.boundary:per_token_scale_ignored", "torch", PREFILL,
+              ("prefill-per-token",), ("row_error", "nonfinite", "lse"), "prefill_per_token",
+              contrast="passes with per-tensor scales"),
+    FaultSpec("narrow-accumulation", "kv-narrow-accumulation",
+              "the running output (P.V accumulator) kept in bf16 between 64-key kv tiles",
+              f"{_M}.boundary:narrow_accumulation", "torch",
+              ("mla_prefill", "paged_prefill", "mla_decode", "mla_sparse_decode"),
+              ("decode-long-kv",), ("row_error",), "decode_long_kv",
+              contrast="passes on short kv"),
     FaultSpec("nondeterministic", "generic",
               "KV split count varies from run to run: accurate, but not bitwise reproducible",
               f"{_M}.generic:nondeterministic", "torch",

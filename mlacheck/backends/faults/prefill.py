@@ -60,17 +60,19 @@ class MultiSegmentFirstOnly(Wrapper):
 
     def run(self, case: Case, inputs: Inputs) -> Output:
         assert isinstance(case, PrefillCase) and isinstance(inputs, PrefillInputs)
-        first = dataclasses.replace(case, segments=case.segments[:1])
         n = case.segments[0].q_len
+        # the LSE buffer's other rows are never written
+        lse = torch.full((case.total_q, case.num_heads), float("nan"), device=inputs.device)
+        if n == 0:  # an empty first segment: the one launch has no rows, nothing is written
+            return Output(inputs.out.out, lse, wrote_into_guarded=True)
+        first = dataclasses.replace(case, segments=case.segments[:1])
         seen = replace_inputs(inputs, case=first, cu_seqlens_q=inputs.cu_seqlens_q[:2],
                               cu_seqlens_k=inputs.cu_seqlens_k[:2],
                               out=output_window(inputs.out, 0, n))
         res = self.inner.run(first, seen)
-        lse = None
-        if res.lse is not None:  # the LSE buffer's other rows are never written
-            lse = torch.full((case.total_q, case.num_heads), float("nan"),
-                             dtype=res.lse.dtype, device=res.lse.device)
-            lse[:n] = res.lse
+        if res.lse is None:
+            return Output(inputs.out.out, None, metadata=res.metadata, wrote_into_guarded=True)
+        lse[:n] = res.lse
         return Output(inputs.out.out, lse, metadata=res.metadata, wrote_into_guarded=True)
 
 

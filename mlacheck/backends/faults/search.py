@@ -11,6 +11,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from mlacheck import strategies as S
+from mlacheck.boundaries import TILE_SIZES
 from mlacheck.spec import Case, DecodeCase, Placement, Quant, Request
 
 BF16 = (Quant("bf16", "bf16"),)
@@ -95,8 +96,55 @@ def prefill_context() -> st.SearchStrategy[Case]:
     return S.prefill_cases(max_tokens=48, max_segments=2, head_counts=(16,), quants=BF16)
 
 
-# Strategies whose examples allocate multi-GiB pools: the selftest gives them a small budget.
-EXPENSIVE = frozenset({"decode_large_kv31", "decode_large_kv32"})
+@st.composite
+def _tile_boundary(draw: st.DrawFn) -> Case:
+    """q_len-1 decode whose kv lengths sit at tile multiples first, else anywhere."""
+    near = st.sampled_from(tuple(n for m in TILE_SIZES for n in (m, m - 1, m + 1) if m <= 1024))
+    n = draw(st.integers(1, 2))
+    lens = [draw(st.one_of(near, st.integers(1, 1100))) for _ in range(n)]
+    return DecodeCase(requests=tuple(Request(1, k) for k in lens), num_heads=16, page_size=16)
+
+
+def decode_tile_boundary() -> st.SearchStrategy[Case]:
+    return _tile_boundary()
+
+
+@st.composite
+def _long_kv(draw: st.DrawFn) -> Case:
+    """One long request on a page-size-1 pool: past 16k tokens with a third of its page ids
+    past 2^16 first (the search budget for these is a few runs), then shorter ones."""
+    kv = draw(st.sampled_from((98305, 40000, 16385)))
+    return DecodeCase(requests=(Request(1, kv),), num_heads=16, page_size=1,
+                      placement=Placement("packed"))
+
+
+def decode_long_kv() -> st.SearchStrategy[Case]:
+    return _long_kv()
+
+
+def decode_empty() -> st.SearchStrategy[Case]:
+    """Ragged batches that may hold empty requests (q_len 0)."""
+    return S.decode_cases(max_batch=3, max_q_len=2, max_kv=MAX_KV, head_counts=(16,),
+                          quants=BF16, page_sizes=(16,), placements=SHUFFLED)
+
+
+def prefill_empty() -> st.SearchStrategy[Case]:
+    return S.prefill_cases(max_tokens=48, max_segments=3, head_counts=(16,), quants=BF16)
+
+
+def prefill_soft_cap() -> st.SearchStrategy[Case]:
+    return S.prefill_cases(max_tokens=48, max_segments=2, head_counts=(16,), quants=BF16,
+                           soft_caps=(30.0,))
+
+
+def prefill_per_token() -> st.SearchStrategy[Case]:
+    return S.prefill_cases(max_tokens=48, max_segments=2, head_counts=(16,),
+                           quants=(Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax", per_token=True),))
+
+
+# Strategies whose examples allocate multi-GiB pools (or long kv): the selftest gives them a
+# small budget.
+EXPENSIVE = frozenset({"decode_large_kv31", "decode_large_kv32", "decode_long_kv"})
 
 
 def strategy(name: str) -> st.SearchStrategy[Case]:

@@ -35,6 +35,11 @@ SEGMENTS = (Segment(5), Segment(7, context_len=9), Segment(3, context_len=20), S
 REQUESTS = (Request(1, 37), Request(2, 64), Request(3, 17), Request(4, 130))
 
 
+def exact(t: inputs.Quantised) -> torch.Tensor:
+    """The stored values times their scale, in fp64: exact (no fp32 rounding of fp8 x scale)."""
+    return t.stored.double() * t.scale.double()
+
+
 def _check(gold32, gold64, out, lse) -> None:
     # torch's default fp32 tolerances (rtol 1.3e-6, atol 1e-5)
     torch.testing.assert_close(gold32.out, out.float())
@@ -45,7 +50,7 @@ def _check(gold32, gold64, out, lse) -> None:
 
 def _naive_prefill(b: inputs.PrefillInputs) -> tuple[torch.Tensor, torch.Tensor]:
     case = b.case
-    q, k, v = b.q.dequant(), b.k.dequant(), b.v.dequant()
+    q, k, v = exact(b.q), exact(b.k), exact(b.v)
     qc, kc = b.cu_seqlens_q.tolist(), b.cu_seqlens_k.tolist()
     outs, lses = [], []
     for i in range(len(case.segments)):
@@ -79,7 +84,7 @@ def test_causal_mask_is_bottom_right() -> None:
     case = PrefillCase(segments=(Segment(3, context_len=5),), num_heads=2)
     b = inputs.build(case)
     res = golden.reference(b, precision="fp64")
-    q, k, v = (t.dequant().double() for t in (b.q, b.k, b.v))
+    q, k, v = (exact(t) for t in (b.q, b.k, b.v))
     for i in range(3):
         prefix = naive_attention(q[i : i + 1], k[: 5 + i + 1], v[: 5 + i + 1], case.softmax_scale, False)
         torch.testing.assert_close(res.out[i], prefix[0][0], rtol=1e-10, atol=1e-12)
@@ -104,12 +109,12 @@ def test_paged_prefill_matches_naive(layout: str, fmt: str) -> None:
 
 def _naive_decode(b: inputs.DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
     case = b.case
-    q = b.q.dequant()
+    q = exact(b.q)
     qo = b.qo_indptr.tolist()
     rank = case.dims.kv_lora_rank
     outs, lses = [], []
     for r, kvq in enumerate(b.kv):
-        kv = kvq.dequant()
+        kv = exact(kvq)
         o, lse = naive_attention(q[qo[r] : qo[r + 1]], kv, kv[..., :rank], case.softmax_scale, True)
         outs.append(o)
         lses.append(lse)
@@ -162,11 +167,11 @@ def test_sparse_decode_matches_naive(valid_cap: int | None) -> None:
             assert n == expect
     assert any(0 < n < 16 for n in valid_counts)  # variable lengths, -1 padding in use
 
-    q = b.q.dequant()
+    q = exact(b.q)
     rank = case.dims.kv_lora_rank
     outs, lses = [], []
     for t in range(case.total_q):
-        o, lse = naive_sparse(q[t], b.kv[owner[t]].dequant(), rank, idx[t].tolist(), case.softmax_scale)
+        o, lse = naive_sparse(q[t], exact(b.kv[owner[t]]), rank, idx[t].tolist(), case.softmax_scale)
         outs.append(o)
         lses.append(lse)
     out, lse = torch.stack(outs), torch.stack(lses)
@@ -209,3 +214,37 @@ def test_ideal_variant_uses_unquantised_inputs() -> None:
     torch.testing.assert_close(ideal.lse, lse, rtol=1e-10, atol=1e-12)
     exact = golden.reference(b, precision="fp64")
     assert (exact.out - ideal.out).abs().max() > 1e-3  # fp8 really changed the inputs
+
+
+# Empty segments / requests (q_len 0: repeated cu_seqlens / qo_indptr entries), before, between
+# and after others, with and without cached kv: no rows of their own, nothing shifted.
+EMPTY_SEGMENTS = (Segment(0, 6), Segment(5), Segment(0, 0), Segment(7, context_len=9),
+                  Segment(0, 12))
+EMPTY_REQUESTS = (Request(0, 0), Request(1, 37), Request(0, 20), Request(2, 64), Request(0, 0))
+
+
+@pytest.mark.parametrize("paging", [None, Paging(16, "linear")], ids=["ragged", "paged"])
+def test_prefill_with_empty_segments_matches_naive(paging: Paging | None) -> None:
+    case = PrefillCase(segments=EMPTY_SEGMENTS, num_heads=2, paging=paging)
+    b = inputs.build(case)
+    assert b.cu_seqlens_q.tolist() == [0, 0, 5, 5, 12, 12]
+    out, lse = _naive_prefill(b)
+    assert out.shape[0] == 12
+    _check(golden.reference(b), golden.reference(b, precision="fp64"), out, lse)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_with_empty_requests_matches_naive(page_size: int) -> None:
+    case = DecodeCase(requests=EMPTY_REQUESTS, num_heads=2, page_size=page_size)
+    b = inputs.build(case)
+    assert b.qo_indptr.tolist() == [0, 0, 1, 1, 3, 3]
+    assert b.table.pages_of(0).numel() == 0 and b.table.pages_of(4).numel() == 0
+    out, lse = _naive_decode(b)
+    _check(golden.reference(b), golden.reference(b, precision="fp64"), out, lse)
+
+
+def test_a_batch_of_only_empty_requests_is_rejected() -> None:
+    with pytest.raises(ValueError, match="at least one query token"):
+        DecodeCase(requests=(Request(0, 5), Request(0, 0)))
+    with pytest.raises(ValueError, match="at least one query token"):
+        PrefillCase(segments=(Segment(0, 5),))

@@ -153,3 +153,18 @@ def test_nan_in_masked_kv_does_not_leak_into_other_rows() -> None:
     res = core.attend(q, k, v.nan_to_num(), 0.3, causal=False)
     assert torch.isnan(res.out[1, 0]).all() and torch.isnan(res.lse[1, 0])
     assert torch.isfinite(res.out[[0, 2, 3]]).all() and torch.isfinite(res.out[1, 1]).all()
+
+
+def test_fp64_golden_dequantises_fp8_exactly() -> None:
+    """An FP8 value times an amax scale rounds in fp32; the fp64 reference must multiply in
+    fp64 (the audit saw ~2e-7 differences when it went through fp32 first)."""
+    from mlacheck.golden.core import Operand
+
+    case = DecodeCase(requests=(Request(1, 300),), num_heads=4,
+                      quant=Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax"))
+    b = inputs.build(case)
+    kv = b.pool.gather(0, dequant=False)
+    exact = kv.double() * b.pool.scale.double()
+    got = Operand(kv, float(b.pool.scale)).get(torch.float64)
+    assert torch.equal(got, exact)
+    assert not torch.equal((kv.float() * b.pool.scale).double(), exact)  # in fp32 it rounds

@@ -47,9 +47,10 @@ def sparses(cases: list[MatrixCase]) -> list[SparseDecodeCase]:
 
 
 def covers(name: str) -> set[int]:
-    """Bug classes claimed by the groups of one file (its includes not counted)."""
+    """DESIGN §5 bug classes claimed by the groups of one file (its includes not counted;
+    boundary class names, checked by the loader, are not counted here)."""
     doc = _read_yaml(_resolve(name))
-    return {c for g in doc["groups"] for c in g.get("covers", [])}
+    return {c for g in doc["groups"] for c in g.get("covers", []) if isinstance(c, int)}
 
 
 def test_every_bug_class_is_claimed_by_premerge_and_by_the_union() -> None:
@@ -159,3 +160,29 @@ def test_premerge_passes_on_the_torch_backend() -> None:
     failed = [v.summary() for v in (run_case(mc.case, backend) for mc in load("premerge").cases)
               if v.status != "PASS"]
     assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("name", ["smoke", "premerge"])
+def test_cpu_gates_cover_every_cpu_boundary_class(name: str) -> None:
+    """Every boundary class that runs on a CPU (mlacheck/boundaries.py) has a case of each of
+    its ops in smoke and in premerge without its large_kv cases (what a CPU gate runs); the
+    classes that need multi-GB pools are covered by premerge's large_kv cases."""
+    from mlacheck import boundaries
+
+    cases = load(name).cases
+    cpu = [mc.case for mc in cases if "large_kv" not in mc.markers]
+    assert boundaries.missing(cpu) == []
+    gpu_only = {c.name for c in boundaries.CLASSES if not c.cpu}
+    assert gpu_only == {"pool-past-2^31", "pool-past-2^32"}
+    if name == "premerge":
+        assert boundaries.missing([mc.case for mc in cases], cpu_only=False) == []
+
+
+def test_a_group_that_claims_a_boundary_class_must_have_its_shape(tmp_path) -> None:  # noqa: ANN001
+    from mlacheck.matrices import MatrixError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\ndescription: d\ngroups:\n  - name: g\n    kind: decode\n"
+                   "    covers: [kv-multiple-of-256]\n    base: {requests: [[1, 300]]}\n")
+    with pytest.raises(MatrixError, match="covers kv-multiple-of-256 in name only"):
+        load(str(bad))

@@ -1,0 +1,239 @@
+"""Boundary-class faults (mlacheck/boundaries.py): bugs that act only at one case shape.
+
+Each is the correct torch backend with one planted mechanism that a matrix without the shape
+cannot see, so `mlacheck selftest` and tests/unit/faults show that premerge (on a CPU) has
+the shape:
+
+tile-multiple-drops-last (kv-multiple-of-256): a tile loop bound `<` instead of `<=` on an
+    exact multiple: when kv_len % 256 == 0 the last 256-key tile is never visited.
+kv-clamp-16k (kv-longer-than-16384): kv_len clamped to 16384 (a 14-bit length field, a
+    buffer sized for 16k): longer requests attend to their first 16384 keys only.
+page-id-int16 (page-id-past-2^15): page ids stored as int16: ids >= 2^15 turn negative and
+    the kernel reads memory before the pool (poison here).
+page-id-uint16 (page-id-past-2^16): page ids stored as uint16: ids >= 2^16 wrap and read
+    another (live or free) page.
+empty-request-shift (empty-request): empty decode requests dropped from qo_indptr but not
+    from the page table: every request after an empty one reads its predecessor's pages.
+empty-segment-shift (empty-segment): the same for prefill: cu_seqlens_q compacted,
+    cu_seqlens_k not: segments after an empty one attend to another segment's K/V.
+single-token-no-context (single-token-segment): a one-token segment inside a prefill batch
+    takes a decode-like fast path that forgets its context: it attends to itself only.
+soft-cap-ignored (soft-cap): the soft cap is not applied.
+per-token-scale-ignored (per-token-scale): per-token q scales read as one per-tensor scale
+    (the first row's).
+narrow-accumulation (kv-narrow-accumulation): the running output (the P.V accumulator)
+    kept in bf16 between 64-key tiles: within the bf16 bound for short kv, beyond it for
+    long kv (the threshold is measured in docs/detection.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from mlacheck import fp8
+from mlacheck.backends.base import Output
+from mlacheck.backends.faults._base import Wrapper, replace_inputs, resolve_inner, torch_only
+from mlacheck.backends.torch_ref import Numerics, TorchBackend, flash_attend
+from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs, Quantised, cu_seqlens
+from mlacheck.kvcache import KVPool, PageTable
+from mlacheck.spec import Case, DecodeCase, PrefillCase
+
+DECODE, PREFILL = ("mla_decode",), ("mla_prefill",)
+TILE = 256  # the tile whose exact multiples lose their last tile
+KV_CLAMP = 16384
+
+
+def truncated_table(table: PageTable, keep: list[int]) -> PageTable:
+    """The same page ids, each request cut to its first keep[r] tokens."""
+    lens = torch.tensor(keep, dtype=torch.int64)
+    counts = (lens + table.page_size - 1) // table.page_size
+    indptr = torch.zeros(len(keep) + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(counts, 0)
+    ids = [table.pages_of(r)[: int(counts[r])] for r in range(len(keep))]
+    indices = torch.cat(ids) if ids else table.indices[:0]
+    return PageTable(table.page_size, indptr, indices, lens)
+
+
+def _pool_with_table(pool: KVPool, table: PageTable) -> KVPool:
+    return KVPool(pool.data, pool.fmt, pool.scale, table, pool.layout, pool.kind)
+
+
+def _keep_rows(t: Quantised, rows: torch.Tensor) -> Quantised:
+    scale = t.scale[rows] if t.scale.dim() and t.scale.shape[0] == t.stored.shape[0] else t.scale
+    return Quantised(t.stored[rows], scale, t.fmt, t.ideal[rows])
+
+
+class _KvShortened(Wrapper):
+    """Attends to the first keep(kv_len) keys of each request / segment."""
+
+    ops = DECODE + PREFILL
+
+    def keep(self, kv_len: int) -> int:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def run(self, case: Case, inputs: Inputs) -> Output:
+        if isinstance(inputs, DecodeInputs):
+            keep = [self.keep(int(n)) for n in inputs.table.kv_lens.tolist()]
+            pool = _pool_with_table(inputs.pool, truncated_table(inputs.table, keep))
+            return self.inner.run(case, replace_inputs(inputs, pool=pool))
+        assert isinstance(inputs, PrefillInputs) and isinstance(case, PrefillCase)
+        cuts = inputs.cu_seqlens_k.tolist()
+        keep = [self.keep(s.kv_len) for s in case.segments]
+        rows = torch.cat([torch.arange(cuts[i], cuts[i] + keep[i]) for i in range(len(keep))])
+        segments = tuple(dataclasses.replace(s, context_len=max(0, k - s.q_len))
+                         for s, k in zip(case.segments, keep, strict=True))
+        short = dataclasses.replace(case, segments=segments)
+        view = replace_inputs(inputs, case=short, k=_keep_rows(inputs.k, rows),
+                              v=_keep_rows(inputs.v, rows), cu_seqlens_k=cu_seqlens(keep))
+        return self.inner.run(short, view)
+
+
+class TileMultipleDropsLast(_KvShortened):
+    def keep(self, kv_len: int) -> int:
+        return kv_len - TILE if kv_len > 0 and kv_len % TILE == 0 else kv_len
+
+
+class KvClamp(_KvShortened):
+    ops = DECODE
+
+    def keep(self, kv_len: int) -> int:
+        return min(kv_len, KV_CLAMP)
+
+
+class PageIdNarrow(Wrapper):
+    """Page ids as a `bits`-bit integer holds them; reads outside the pool meet poison."""
+
+    ops = DECODE
+
+    def __init__(self, inner: Any, name: str, bits: int, signed: bool) -> None:
+        super().__init__(inner, name)
+        self.bits, self.signed = bits, signed
+
+    def run(self, case: Case, inputs: Inputs) -> Output:
+        assert isinstance(inputs, DecodeInputs)
+        pool = inputs.pool
+        span = 1 << self.bits
+        ids = pool.table.indices % span
+        if self.signed:
+            ids = torch.where(ids >= span // 2, ids - span, ids)
+        outside = (ids < 0) | (ids >= pool.num_pages)
+        bits_dtype, nan_code = fp8.nan_fill_value(pool.fmt)  # fp8 has no index kernels: bits
+        data = torch.empty((ids.numel(), *pool.data.shape[1:]), dtype=pool.data.dtype,
+                           device=pool.data.device)
+        raw, src = data.view(bits_dtype), pool.data.view(bits_dtype)
+        dev = pool.data.device
+        inside = torch.nonzero(~outside).flatten()
+        raw[inside.to(dev)] = src[ids[inside].to(dev)]
+        # memory that is not the pool's: poisoned, as mlacheck poisons all a kernel does not own
+        raw[torch.nonzero(outside).flatten().to(dev)] = nan_code
+        table = PageTable(pool.table.page_size, pool.table.indptr, torch.arange(ids.numel()),
+                          pool.table.kv_lens)
+        read = KVPool(data, pool.fmt, pool.scale, table, pool.layout, pool.kind)
+        return self.inner.run(case, replace_inputs(inputs, pool=read))
+
+
+class EmptyShift(Wrapper):
+    """Empty requests / segments dropped from the query offsets only."""
+
+    ops = DECODE + PREFILL
+
+    def run(self, case: Case, inputs: Inputs) -> Output:
+        if isinstance(case, DecodeCase):
+            assert isinstance(inputs, DecodeInputs)
+            kept = tuple(r for r in case.requests if r.q_len)
+            compact = dataclasses.replace(case, requests=kept)
+            view = replace_inputs(inputs, case=compact,
+                                  qo_indptr=cu_seqlens([r.q_len for r in kept]))
+            return self.inner.run(compact, view)
+        assert isinstance(case, PrefillCase) and isinstance(inputs, PrefillInputs)
+        kept_segs = tuple(s for s in case.segments if s.q_len)
+        compact = dataclasses.replace(case, segments=kept_segs)
+        view = replace_inputs(inputs, case=compact,
+                              cu_seqlens_q=cu_seqlens([s.q_len for s in kept_segs]))
+        return self.inner.run(compact, view)
+
+
+class SingleTokenNoContext(Wrapper):
+    """One-token segments with context attend to their own token only."""
+
+    ops = PREFILL
+
+    def run(self, case: Case, inputs: Inputs) -> Output:
+        res = self.inner.run(case, inputs)
+        assert isinstance(case, PrefillCase) and isinstance(inputs, PrefillInputs)
+        qc, kc = inputs.cu_seqlens_q.tolist(), inputs.cu_seqlens_k.tolist()
+        q, k, v = inputs.q.dequant(), inputs.k.dequant(), inputs.v.dequant()
+        for i, s in enumerate(case.segments):
+            if s.q_len != 1 or s.context_len == 0 or len(case.segments) < 2:
+                continue
+            last = slice(kc[i + 1] - 1, kc[i + 1])
+            o, lse = flash_attend(q[qc[i] : qc[i] + 1], k[last], v[last], case.softmax_scale,
+                                  case.causal, case.quant.kv)
+            res.out[qc[i]] = o[0].to(res.out.dtype)
+            if res.lse is not None:
+                res.lse[qc[i]] = lse[0]
+        return res
+
+
+class SoftCapIgnored(Wrapper):
+    ops = PREFILL
+
+    def run(self, case: Case, inputs: Inputs) -> Output:
+        assert isinstance(case, PrefillCase)
+        uncapped = dataclasses.replace(case, soft_cap=0.0)
+        return self.inner.run(uncapped, replace_inputs(inputs, case=uncapped))
+
+
+class PerTokenScaleIgnored(Wrapper):
+    ops = PREFILL
+
+    def run(self, case: Case, inputs: Inputs) -> Output:
+        assert isinstance(inputs, PrefillInputs)
+        q = inputs.q
+        first = q.scale.reshape(-1)[:1].reshape([1] * q.scale.dim()).expand_as(q.scale)
+        return self.inner.run(case, replace_inputs(
+            inputs, q=Quantised(q.stored, first.contiguous(), q.fmt, q.ideal)))
+
+
+def tile_multiple_drops_last(inner: str = "torch") -> TileMultipleDropsLast:
+    return TileMultipleDropsLast(resolve_inner(inner), "fault:tile-multiple-drops-last")
+
+
+def kv_clamp_16k(inner: str = "torch") -> KvClamp:
+    return KvClamp(resolve_inner(inner), "fault:kv-clamp-16k")
+
+
+def page_id_int16(inner: str = "torch") -> PageIdNarrow:
+    return PageIdNarrow(resolve_inner(inner), "fault:page-id-int16", 16, signed=True)
+
+
+def page_id_uint16(inner: str = "torch") -> PageIdNarrow:
+    return PageIdNarrow(resolve_inner(inner), "fault:page-id-uint16", 16, signed=False)
+
+
+def empty_request_shift(inner: str = "torch") -> EmptyShift:
+    return EmptyShift(resolve_inner(inner), "fault:empty-request-shift", DECODE)
+
+
+def empty_segment_shift(inner: str = "torch") -> EmptyShift:
+    return EmptyShift(resolve_inner(inner), "fault:empty-segment-shift", PREFILL)
+
+
+def single_token_no_context(inner: str = "torch") -> SingleTokenNoContext:
+    return SingleTokenNoContext(resolve_inner(inner), "fault:single-token-no-context")
+
+
+def soft_cap_ignored(inner: str = "torch") -> SoftCapIgnored:
+    return SoftCapIgnored(resolve_inner(inner), "fault:soft-cap-ignored")
+
+
+def per_token_scale_ignored(inner: str = "torch") -> PerTokenScaleIgnored:
+    return PerTokenScaleIgnored(resolve_inner(inner), "fault:per-token-scale-ignored")
+
+
+def narrow_accumulation(inner: str = "torch") -> TorchBackend:
+    torch_only(inner, "narrow-accumulation")
+    return TorchBackend(Numerics(acc_format="bf16"), "fault:narrow-accumulation")

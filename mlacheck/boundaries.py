@@ -1,0 +1,195 @@
+"""Boundary classes: the case shapes where length- and index-dependent kernel bugs live.
+
+A bug that only acts at a tile boundary, past a counter's range or on an empty segment
+escapes any matrix without such a case: an audit of single-bug kernels found the judge
+catching every bug a case let act, and the matrices letting through those no case reached.
+Each class here names the shape, says why it matters, and has a predicate per case, so the
+matrix loader can show what a matrix covers (`mlacheck list --coverage`), a test can require
+smoke and premerge to cover every class that runs on a CPU, and the Hypothesis strategies
+draw these shapes first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from mlacheck import kvcache
+from mlacheck.spec import FORMAT_BYTES, Case, DecodeCase, PrefillCase, SparseDecodeCase
+
+# Tile / split / partition sizes kernels use along kv (FlashAttention-style tiles 64-256,
+# split-K partitions 512-2048, AITER's kv granularity, FlashMLA's 64-token pages).
+TILE_SIZES: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
+# Lengths past which narrow counters and clamps show: 2^13, 2^14, 2^16 tokens.
+LONG_KV: tuple[int, ...] = (8192, 16384, 65536)
+# Page ids past signed / unsigned 16-bit range.
+WIDE_PAGE_ID_BITS: tuple[int, ...] = (15, 16)
+# KV length from which a kernel that accumulates P.V (and the softmax sum) in bf16 fails the
+# bf16 bound; measured with fault:narrow-accumulation on a 16-head decode (docs/detection.md).
+NARROW_ACCUMULATION_KV = 4096
+
+DECODE, PREFILL, SPARSE, PAGED = "mla_decode", "mla_prefill", "mla_sparse_decode", "paged_prefill"
+
+
+@dataclass(frozen=True)
+class BoundaryClass:
+    name: str
+    why: str
+    ops: tuple[str, ...]  # the ops a matrix must cover it for
+    applies: Callable[[Case], bool]
+    # Runs on a CPU within a pre-merge budget. The others need multi-GB pools (byte offsets
+    # past 2^31 / 2^32): the large_kv cases of premerge/nightly, deselected on CPU gates.
+    cpu: bool = True
+
+
+def kv_lengths(case: Case) -> list[int]:
+    if isinstance(case, PrefillCase):
+        return [s.kv_len for s in case.segments]
+    return [r.kv_len for r in case.requests]
+
+
+def q_lengths(case: Case) -> list[int]:
+    if isinstance(case, PrefillCase):
+        return [s.q_len for s in case.segments]
+    return [r.q_len for r in case.requests]
+
+
+def _multiple_of(m: int) -> Callable[[Case], bool]:
+    return lambda case: any(n > 0 and n % m == 0 for n in kv_lengths(case))
+
+
+def _off_by_one(case: Case) -> bool:
+    """A kv length one either side of a tile of 256 or more."""
+    return any(n % m in (1, m - 1) and n >= m - 1 for n in kv_lengths(case)
+               for m in TILE_SIZES if m >= 256)
+
+
+def _longer_than(n: int) -> Callable[[Case], bool]:
+    return lambda case: max(kv_lengths(case)) > n
+
+
+def _page_geometry(case: Case) -> tuple[list[int], int, int] | None:
+    """(kv lengths, page size, page bytes) of a paged case; None when not paged."""
+    lens = kv_lengths(case)
+    if isinstance(case, PrefillCase):
+        if case.paging is None:
+            return None
+        ps = case.paging.page_size
+        return lens, ps, ps * case.num_heads * case.dims.qk_head * FORMAT_BYTES[case.quant.kv]
+    return lens, case.page_size, case.page_size * case.dims.latent * FORMAT_BYTES[case.quant.kv]
+
+
+# Share of a request's live pages that must sit past a page-id boundary: a wrapped id that
+# lands on another live page changes one key, which a long softmax can average away (a
+# uint16 page-id fault on kv 65537 with 9 pages past 2^16 passed; on kv 98305 it fails).
+WIDE_PAGE_SHARE = 0.25
+
+
+def live_pages_past(case: Case, page_id: int) -> float:
+    """How many live pages sit at or past `page_id` (exact for packed placement; the
+    expectation for shuffled / high, where live pages are drawn from first..first+live+spare)."""
+    geo = _page_geometry(case)
+    if geo is None:
+        return 0.0
+    lens, ps, page_bytes = geo
+    live = sum(-(-n // ps) for n in lens)
+    total = kvcache.pool_page_count(lens, ps, page_bytes, case.placement)
+    first = total - live - case.placement.spare_pages
+    window = live if case.placement.kind == "packed" else live + case.placement.spare_pages
+    past = max(0, first + window - max(page_id, first))
+    return live * past / window if window else 0.0
+
+
+def _wide_ids(bits: int) -> Callable[[Case], bool]:
+    def applies(case: Case) -> bool:
+        geo = _page_geometry(case)
+        if geo is None:
+            return False
+        live = sum(-(-n // geo[1]) for n in geo[0])
+        return live_pages_past(case, 1 << bits) >= max(1.0, WIDE_PAGE_SHARE * live)
+    return applies
+
+
+def _partial_last_page(case: Case) -> bool:
+    geo = _page_geometry(case)
+    return geo is not None and any(n % geo[1] for n in geo[0])
+
+
+def _single_token_segment(case: Case) -> bool:
+    return (isinstance(case, PrefillCase) and len(case.segments) > 1
+            and any(s.q_len == 1 and s.context_len > 0 for s in case.segments))
+
+
+def _live_bytes_past(bound: int) -> Callable[[Case], bool]:
+    def applies(case: Case) -> bool:
+        geo = _page_geometry(case)
+        if geo is None:
+            return False
+        lens, ps, page_bytes = geo
+        return kvcache.pool_page_count(lens, ps, page_bytes, case.placement) * page_bytes > bound
+    return applies
+
+
+CLASSES: tuple[BoundaryClass, ...] = (
+    *(BoundaryClass(f"kv-multiple-of-{m}",
+                    f"a kv length exactly a multiple of {m}: loop bounds and tile counts that are "
+                    "right only for a partial last tile", (DECODE, PREFILL), _multiple_of(m))
+      for m in TILE_SIZES),
+    BoundaryClass("kv-tile-off-by-one",
+                  "a kv length one either side of a tile of 256+: < vs <= in tile loops",
+                  (DECODE, PREFILL), _off_by_one),
+    *(BoundaryClass(f"kv-longer-than-{n}",
+                    f"a decode kv longer than {n} tokens: clamps, 16-bit counters and narrow "
+                    "accumulators", (DECODE,), _longer_than(n))
+      for n in LONG_KV),
+    BoundaryClass("kv-narrow-accumulation",
+                  f"a decode kv of {NARROW_ACCUMULATION_KV}+ tokens: past it a bf16-accumulating "
+                  "kernel exceeds the bf16 bound (shorter kv hides it)",
+                  (DECODE,), _longer_than(NARROW_ACCUMULATION_KV - 1)),
+    *(BoundaryClass(f"page-id-past-2^{b}",
+                    f"a quarter or more of the live pages have ids of 2^{b} or more: page ids "
+                    f"held in {b + 1}-bit integers wrap", (DECODE,), _wide_ids(b))
+      for b in WIDE_PAGE_ID_BITS),
+    BoundaryClass("partial-last-page",
+                  "a last page only partly filled: tails must be masked, lengths right",
+                  (DECODE, PAGED), _partial_last_page),
+    BoundaryClass("empty-request", "a decode request with no query token (padded batch slot)",
+                  (DECODE,), lambda c: isinstance(c, DecodeCase | SparseDecodeCase)
+                  and c.has_empty),
+    BoundaryClass("empty-segment", "a prefill segment with no query token (repeated cu_seqlens)",
+                  (PREFILL, PAGED), lambda c: isinstance(c, PrefillCase) and c.has_empty),
+    BoundaryClass("single-token-segment",
+                  "a one-token segment with context in a multi-segment prefill (decode-like "
+                  "rows inside a prefill batch)", (PREFILL,), _single_token_segment),
+    BoundaryClass("soft-cap", "scores soft-capped (cap * tanh(s / cap))", (PREFILL,),
+                  lambda c: isinstance(c, PrefillCase) and c.soft_cap > 0),
+    BoundaryClass("per-token-scale", "FP8 scales per token instead of per tensor", (PREFILL,),
+                  lambda c: c.quant.per_token and c.quant.is_fp8),
+    BoundaryClass("pool-past-2^31", "live pages past 2^31 bytes: signed 32-bit offsets wrap",
+                  (DECODE,), _live_bytes_past(1 << 31), cpu=False),
+    BoundaryClass("pool-past-2^32", "live pages past 2^32 bytes: unsigned 32-bit offsets wrap",
+                  (DECODE,), _live_bytes_past(1 << 32), cpu=False),
+)
+
+BY_NAME: dict[str, BoundaryClass] = {c.name: c for c in CLASSES}
+
+
+def classes_of(case: Case) -> list[str]:
+    """The boundary classes this case exercises (for its op)."""
+    return [c.name for c in CLASSES if case.op in c.ops and c.applies(case)]
+
+
+def coverage(cases: Iterable[Case]) -> dict[str, dict[str, int]]:
+    """class name -> op -> how many of `cases` exercise it (0 where none does)."""
+    table = {c.name: dict.fromkeys(c.ops, 0) for c in CLASSES}
+    for case in cases:
+        for name in classes_of(case):
+            table[name][case.op] += 1
+    return table
+
+
+def missing(cases: Iterable[Case], cpu_only: bool = True) -> list[tuple[str, str]]:
+    """(class, op) pairs no case covers (CPU-runnable classes only, by default)."""
+    table = coverage(cases)
+    return [(name, op) for name, ops in table.items() for op, n in ops.items()
+            if n == 0 and (BY_NAME[name].cpu or not cpu_only)]

@@ -1,0 +1,67 @@
+"""The boundary-class faults (mlacheck/backends/faults/boundary.py) bite exactly where their
+shape is: each fails on its class's shape and passes on the contrast next to it, and
+premerge on a CPU (without its large_kv cases) has a case that catches each."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlacheck import boundaries
+from mlacheck.backends.faults import FAULTS, make
+from mlacheck.harness import run_case
+from mlacheck.matrices import load
+from mlacheck.spec import Case, DecodeCase, Placement, PrefillCase, Quant, Request, Segment
+from mlacheck.verdict import FAIL, PASS
+
+PER_TOKEN = Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax", per_token=True)
+
+
+def dec(*reqs: tuple[int, int], **kw: object) -> DecodeCase:
+    return DecodeCase(requests=tuple(Request(*r) for r in reqs), **{"num_heads": 16, **kw})
+
+
+def pf(*segs: tuple[int, int], **kw: object) -> PrefillCase:
+    return PrefillCase(segments=tuple(Segment(*s) for s in segs), **{"num_heads": 16, **kw})
+
+
+# fault -> (a case with the shape, the contrast: the nearest case the mechanism cannot touch;
+# for the empty-request faults that is empties placed last, where nothing shifts)
+SHAPES: dict[str, tuple[Case, Case]] = {
+    "tile-multiple-drops-last": (dec((1, 512), (1, 300)), dec((1, 513), (1, 300))),
+    "kv-clamp-16k": (dec((1, 16500)), dec((1, 16384))),
+    "page-id-int16": (dec((1, 50000), page_size=1, placement=Placement("packed")),
+                      dec((1, 30000), page_size=1, placement=Placement("packed"))),
+    "page-id-uint16": (dec((1, 98305), page_size=1), dec((1, 60000), page_size=1)),
+    "empty-request-shift": (dec((0, 40), (1, 60), (2, 90)), dec((1, 60), (2, 90), (0, 30))),
+    "empty-segment-shift": (pf((0, 20), (10, 30), (5, 0)), pf((10, 30), (5, 0), (0, 9))),
+    "single-token-no-context": (pf((10, 0), (1, 30)), pf((10, 0), (2, 30))),
+    "soft-cap-ignored": (pf((30, 20), soft_cap=30.0), pf((30, 20))),
+    "per-token-scale-ignored": (pf((30, 20), quant=PER_TOKEN),
+                                pf((30, 20), quant=Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax"))),
+    "narrow-accumulation": (dec((1, 4096)), dec((1, 1024))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_fault_fails_on_its_shape_and_passes_on_the_contrast(name: str) -> None:
+    shaped, contrast = SHAPES[name]
+    spec = FAULTS[name]
+    cls = boundaries.BY_NAME[str(spec.bug_class)]
+    assert cls.applies(shaped)
+    v = run_case(shaped, make(name))
+    assert v.status == FAIL and set(spec.expect) & {c.name for c in v.failed_checks}, v.summary()
+    assert run_case(contrast, make(name)).status == PASS
+
+
+def test_every_boundary_fault_is_caught_by_cpu_premerge() -> None:
+    """Each new fault fails on at least one premerge case a CPU gate runs (not large_kv)."""
+    cases = [mc.case for mc in load("premerge").cases if "large_kv" not in mc.markers]
+    for name in SHAPES:
+        spec = FAULTS[name]
+        cls = boundaries.BY_NAME[str(spec.bug_class)]
+        fault = make(name)
+        shaped = [c for c in cases if c.op in spec.ops and cls.applies(c)]
+        assert shaped, name
+        # the cheapest shaped cases first: one failure is enough
+        shaped.sort(key=lambda c: sum(boundaries.kv_lengths(c)) * c.num_heads)
+        assert any(run_case(c, fault).status == FAIL for c in shaped[:4]), name
