@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
+from mlacheck.errors import OneLineParser, UsageError
 from mlacheck.outcome import (
     EXIT_KERNEL_FAILURE,
     EXIT_NOT_ENOUGH_RAN,
@@ -30,10 +32,6 @@ PYTEST_INTERRUPTED, PYTEST_USAGE = 2, 4
 def _exit_code(pytest_code: int) -> int:
     return {PYTEST_INTERRUPTED: EXIT_NOT_ENOUGH_RAN, PYTEST_USAGE: EXIT_USAGE}.get(pytest_code,
                                                                                  pytest_code)
-
-
-class UsageError(Exception):
-    """Bad input: printed as one line, exit code 2."""
 
 
 def _die(msg: str) -> int:
@@ -93,6 +91,9 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     argv = [
         _suite_path(), "-q", "-rfE", "--no-header",
         "-o", "console_output_style=progress", "-p", "no:cacheprovider",
+        # mlacheck is imported before pytest loads it as a plugin: its asserts need no
+        # rewriting, and pytest-benchmark (when installed) only warns under xdist
+        "-W", "ignore::pytest.PytestAssertRewriteWarning", "-p", "no:benchmark",
         f"--mla-matrix={args.matrix}", f"--mla-device={device}", f"--mla-golden={args.golden}",
         f"--mla-results={results}", f"--timeout={args.timeout}",
         f"-n={workers}", f"--max-worker-restart={max(4, len(matrix.cases) * len(backends))}",
@@ -166,14 +167,21 @@ def _default_workers(device: str) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    from mlacheck.backends.faults import FAULTS, PREFIX
     from mlacheck.backends.registry import BackendError, available_names, resolve
     from mlacheck.matrices import load, names
 
-    if args.coverage:
+    if args.coverage is not None:
         return _print_coverage(args.coverage)
-
+    if args.faults:
+        for spec in FAULTS.values():
+            print(f"  {PREFIX}{spec.name:26s} class {spec.class_label:22s} {spec.mechanism}")
+        return EXIT_OK
     print("backends:")
+    faults = [n for n in available_names() if n.startswith(PREFIX)]
     for name in available_names():
+        if name.startswith(PREFIX):
+            continue
         try:
             b = resolve(name)
         except BackendError as e:
@@ -185,11 +193,51 @@ def cmd_list(args: argparse.Namespace) -> int:
             continue
         print(f"  {name}")
         for op, cap in b.capabilities().items():
-            print(f"    {op:18s} {_describe(cap)}")
+            print(f"    {op:18s} {describe_capability(cap)}")
+    print(f"  {PREFIX}* ({len(faults)} planted faults for `mlacheck selftest`; "
+          "`mlacheck list --faults` lists them)")
     print("matrices:")
     for m in names():
         print(f"  {m:10s} {len(load(m).cases)} cases")
     return EXIT_OK
+
+
+def describe_capability(cap: object) -> str:
+    """What a capability restricts: the fields that differ from an unrestricted one."""
+    from dataclasses import fields
+
+    from mlacheck.backends.base import Capability
+
+    unrestricted = Capability()
+    parts = []
+    for f in fields(cap):  # type: ignore[arg-type]
+        v = getattr(cap, f.name)
+        if f.name == "notes" or v is None or v == "" or (
+                hasattr(unrestricted, f.name) and v == getattr(unrestricted, f.name)) or (
+                isinstance(v, list | tuple | set | frozenset) and not v):
+            continue
+        parts.append(f"{f.name}={describe_value(v)}")
+    return " ".join(parts) or "any case"
+
+
+def describe_value(v: object) -> str:
+    """A capability value for people: strings as they are, numbers in numeric order, rules
+    by their name, pairs as q/kv."""
+    if isinstance(v, str | bool | int | float) or v is None:
+        return str(v)
+    if callable(v):
+        qual = getattr(v, "__qualname__", repr(v)).split(".<locals>")[0]
+        return qual.strip("_").replace("_", " ")
+    if isinstance(v, list | tuple | set | frozenset):
+        items = sorted(v, key=lambda x: (not isinstance(x, int | float),
+                                         x if isinstance(x, int | float) else str(x)))
+        return "{" + ", ".join(f"{x[0]}/{x[1]}" if _is_pair(x) else describe_value(x)
+                               for x in items) + "}"
+    return str(v)
+
+
+def _is_pair(x: object) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and all(isinstance(y, str) for y in x)
 
 
 def _print_coverage(matrices: list[str]) -> int:
@@ -212,21 +260,11 @@ def _print_coverage(matrices: list[str]) -> int:
     return EXIT_OK
 
 
-def _describe(cap: object) -> str:
-    from dataclasses import fields
-
-    from mlacheck.backends.base import _fmt
-
-    parts = []
-    for f in fields(cap):  # type: ignore[arg-type]
-        v = getattr(cap, f.name)
-        if v is None or f.name == "notes" or v == "":
-            continue
-        parts.append(f"{f.name}={_fmt(v) if not isinstance(v, bool | int) else v}")
-    return " ".join(parts)
-
-
 # --------------------------------------------------------------------------- replay
+
+
+# What a case id looks like: a slug (dec- / pf- / sparse-...) and 8 hex digits of its hash.
+CASE_ID = re.compile(r"(dec|pf|sparse)-[a-z0-9.^-]+-[0-9a-f]{8}")
 
 
 def find_case(ref: str):  # noqa: ANN201
@@ -234,16 +272,22 @@ def find_case(ref: str):  # noqa: ANN201
     from mlacheck.matrices import load, names
     from mlacheck.spec import case_from_json
 
-    path = Path(ref)
-    if ref.endswith(".json") and path.exists():
-        return case_from_json(path.read_text())
     if ref.lstrip().startswith("{"):
         return case_from_json(ref)
+    path = Path(ref)
+    if path.suffix == ".json" or os.sep in ref:
+        if not path.is_file():
+            raise UsageError(f"case file {ref!r} not found")
+        return case_from_json(path.read_text())
+    if not CASE_ID.fullmatch(ref):
+        raise UsageError(f"{ref!r} is not a case id (e.g. dec-b1-kv300-h16-p16-bf16-shuffled-"
+                         "a66560d0), a JSON file or JSON text")
     for m in names():
         for mc in load(m).cases:
             if mc.case.id == ref:
                 return mc.case
-    raise UsageError(f"case {ref!r} is not a JSON file, JSON text, or an id in matrices {', '.join(names())}")
+    raise UsageError(f"case id {ref!r} is in none of the matrices {', '.join(names())} "
+                     "(replay it from its JSON: the `case` field of its results line)")
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -285,23 +329,64 @@ def cmd_replay(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- main
 
 
+def _positive(text: str) -> int:
+    n = _integer(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return n
+
+
+def _non_negative(text: str) -> int:
+    n = _integer(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return n
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+def _matrix_names() -> list[str]:
+    from mlacheck.matrices import names
+
+    return names()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlacheck", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="mlacheck", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    r = sub.add_parser("run", help="run a matrix against backends (pytest underneath)")
-    r.add_argument("--backend", "-b", action="append", help="backend (repeatable); default: the embedded one")
-    r.add_argument("--matrix", default="smoke")
-    r.add_argument("--device", default="auto")
-    r.add_argument("--golden", default="fp32", choices=("fp32", "fp64"))
-    r.add_argument("--results", default=DEFAULT_RESULTS)
+    r = sub.add_parser("run", help="run a matrix against backends (pytest underneath)",
+                       description="Run a matrix of cases against backends; one pytest item per "
+                                   "(case, backend). Exit codes: README 'Exit codes'.")
+    r.add_argument("--backend", "-b", action="append",
+                   help="backend name, entry point or pkg.module:factory; repeatable, or "
+                        "comma-separated (default: the embedded aiter-model-gfx942,"
+                        "aiter-model-gfx950); `mlacheck list` shows them")
+    r.add_argument("--matrix", default="smoke",
+                   help=f"matrix name ({', '.join(_matrix_names())}) or a YAML path "
+                        "(default: smoke)")
+    r.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:N, or auto (cuda when torch sees a GPU; default)")
+    r.add_argument("--golden", default="fp32", choices=("fp32", "fp64"),
+                   help="precision of the reference (default fp32; fp64 is slower)")
+    r.add_argument("--results", default=DEFAULT_RESULTS,
+                   help=f"results file, one JSON line per item (default {DEFAULT_RESULTS}); "
+                        "the reports go next to it")
     r.add_argument("--append", action="store_true", help="append to an existing results file")
     r.add_argument("--resume", action="store_true",
                    help="continue an interrupted run: keep the results file and run only the "
                         "(case, backend) items it has no line for")
-    r.add_argument("--seed", type=int, default=None)
-    r.add_argument("--workers", "-n", type=int, default=None, help="xdist workers (default: one per GPU)")
-    r.add_argument("--timeout", type=int, default=900, help="per-case timeout in seconds")
+    r.add_argument("--seed", type=_non_negative, default=None,
+                   help="offset added to every case's seed: another draw of the same matrix")
+    r.add_argument("--workers", "-n", type=_positive, default=None,
+                   help="pytest-xdist workers (default: one per GPU)")
+    r.add_argument("--timeout", type=_positive, default=900,
+                   help="per-case timeout in seconds (default 900): a hang is a CRASH")
     r.add_argument("--junit", default=None, help="write JUnit XML here")
     r.add_argument("-k", default=None, help="pytest -k expression")
     r.add_argument("-m", default=None, help="pytest -m marker expression")
@@ -318,6 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="backends available here and matrices")
     ls.add_argument("--coverage", nargs="*", default=None, metavar="MATRIX",
                     help="show which boundary classes each matrix (default: all) covers, per op")
+    ls.add_argument("--faults", action="store_true",
+                    help="list the planted faults (fault:<name>) and their mechanisms")
 
     rp = sub.add_parser("replay", help="re-run exactly one case and print the full verdict")
     rp.add_argument("case", help="case id, case.json, or JSON text")
@@ -348,7 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        return _die(str(e))
     from mlacheck.backends.registry import BackendError
     from mlacheck.matrices import MatrixError
     from mlacheck.preflight import PreflightError

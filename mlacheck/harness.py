@@ -9,6 +9,7 @@ kernel's: it is a SKIP naming the sizes, or an ERROR.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import traceback
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlacheck import footprint, golden, judge, known
+from mlacheck import footprint, golden, judge, known, probes
 from mlacheck import inputs as inputs_mod
 from mlacheck.backends.base import Backend, Output, skip_reason
 from mlacheck.backends.torch_ref import TorchBackend
@@ -92,9 +93,32 @@ def _run(case: Case, backend: Backend, opts: RunOptions) -> Verdict:
     if repeats is not None:
         t["determinism"], clock = time.perf_counter() - clock, time.perf_counter()
     v = judge.verdict(case, inp, out, gold, baseline, ideal, backend.name, repeats)
+    if v.status == FAIL and v.metrics.get("axis") in judge.PROBED_AXES:
+        judge.refine_diagnosis(v, inp, gold, _probe(case, backend, inp, opts))
     t["judge"] = time.perf_counter() - clock
     v.timings = t
     return v
+
+
+def _probe(case: Case, backend: Backend, inp: inputs_mod.Inputs, opts: RunOptions
+           ) -> judge.Probes:
+    """Re-run the kernel on the same data arranged otherwise (mlacheck.probes); a probe the
+    kernel refuses or crashes on says nothing and is left out."""
+    found = judge.Probes()
+    if probes.units_worth_isolating(case):
+        cuts = judge.request_bounds(inp)
+        with_rows = [u for u in range(len(cuts) - 1) if cuts[u + 1] > cuts[u]]
+        for u in with_rows[: probes.MAX_UNITS_ALONE]:
+            with contextlib.suppress(Exception):
+                sub_case, sub = probes.one_unit(inp, u)
+                if skip_reason(backend, sub_case, opts.device) is None:
+                    found.alone[u] = backend.run(sub_case, sub)
+                    _sync(opts.device)
+    if probes.worth_relocating(inp):
+        with contextlib.suppress(Exception):
+            found.relocated = backend.run(case, probes.relocated(inp))
+            _sync(opts.device)
+    return found
 
 
 def _suite_error(base: Verdict, stage: str, e: Exception) -> Verdict:

@@ -8,7 +8,8 @@ corrupted request, head or page fails the case, and every failure says where.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,10 +17,19 @@ import torch
 from mlacheck import tolerances as tol
 from mlacheck.backends.base import Output
 from mlacheck.golden.core import Result
-from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
+from mlacheck.inputs import Inputs, PrefillInputs
 from mlacheck.kvcache import byte_region
+from mlacheck.localise import (
+    diagnose,
+    localise,
+    pool_of,
+    request_bounds,
+    shared_properties,
+    unit_name,
+    units_phrase,
+)
 from mlacheck.spec import Case, PrefillCase
-from mlacheck.verdict import FAIL, PASS, Check, Verdict, Where
+from mlacheck.verdict import FAIL, PASS, Check, Verdict, Where, ranges
 
 # --------------------------------------------------------------------------- metrics
 
@@ -69,7 +79,46 @@ def verdict(
     if any(not c.passed for c in v.checks):
         v.status = FAIL
         v.reason = ", ".join(c.name for c in v.failed_checks)
+        _diagnose_checks(v)
     return v
+
+
+# LSE returned in base 2 is the natural-log LSE times 1/ln 2.
+BASE2_LSE_RATIO = 1.0 / math.log(2.0)
+# Golden LSEs this close to 0 are left out of the ratio (it would be meaningless there).
+LSE_RATIO_MIN = 1e-3
+
+
+def _diagnose_checks(v: Verdict) -> None:
+    """Failures whose axis is a check rather than a row pattern come first on the card: the
+    schedule (metadata), the LSE alone, guard rows, repeated runs."""
+    failed = {c.name for c in v.failed_checks}
+    if "metadata" in failed:
+        detail = next(c.detail for c in v.failed_checks if c.name == "metadata")
+        rows = f"; rows: {v.diagnosis}" if v.diagnosis else ""
+        v.diagnosis, v.metrics["axis"] = f"schedule: {detail.split('; ')[0]}{rows}", "schedule"
+    elif failed == {"lse"}:
+        ratio = v.metrics.get("lse_ratio")
+        hint = (" (base 2 instead of natural log?)" if isinstance(ratio, float)
+                and abs(ratio - BASE2_LSE_RATIO) < 1e-3 else "")
+        v.diagnosis = (f"LSE only (the outputs are right): kernel LSE / golden LSE = "
+                       f"{ratio:.6g} in the median row{hint}; {v.diagnosis}" if ratio else
+                       f"LSE only (the outputs are right); {v.diagnosis}")
+        v.metrics["axis"] = "lse"
+    elif not v.diagnosis:
+        v.diagnosis, v.metrics["axis"] = _non_row_diagnosis(v)
+
+
+def _non_row_diagnosis(v: Verdict) -> tuple[str, str]:
+    """The axis of a failure no output row shows: guard rows, the schedule, repeated runs."""
+    failed = {c.name: c for c in v.failed_checks}
+    if "guards" in failed:
+        return f"output rows: writes outside the output ({failed['guards'].detail})", "output"
+    if "metadata" in failed:
+        return f"schedule: {failed['metadata'].detail.split('; ')[0]}", "schedule"
+    if "determinism" in failed:
+        return f"runs: {failed['determinism'].detail}", "runs"
+    return "", ""
 
 
 @dataclass
@@ -157,9 +206,13 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
 
     # LSE (natural log), where the case asks for it.
     wants_lse = not isinstance(case, PrefillCase) or case.return_lse
+    failing = mismatch | bad  # every row some check fails: what diagnose() reads
     if wants_lse and output.lse is not None:
-        where += _check_lse(inputs, output.lse.detach().cpu(), g_lse, baseline, checks,
-                            bound if tol.LSE_WITHIN_ROW_BOUND else 0.0)
+        found, lse_bad = _check_lse(inputs, output.lse.detach().cpu(), g_lse, baseline, checks,
+                                    bound if tol.LSE_WITHIN_ROW_BOUND else 0.0, v.metrics)
+        where += found
+        if lse_bad is not None:
+            failing |= lse_bad.reshape(failing.shape)
     elif wants_lse and output.lse is None:
         checks.append(Check("lse", True, detail="backend returns no LSE (capability); not checked"))
 
@@ -174,7 +227,9 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
     # loss. Non-finite output where the unquantised golden is finite always fails: the cast
     # itself overflowed (unit-scale FP8, DESIGN §5 bug class 7).
     if ideal is not None:
-        where += _check_ideal(case, inputs, out, b_out, ideal, p_fmt, checks, v.metrics)
+        found, ideal_bad = _check_ideal(case, inputs, out, b_out, ideal, p_fmt, checks, v.metrics)
+        where += found
+        failing |= ideal_bad
 
     v.metrics.update(
         worst_row=worst, bound=bound, baseline_worst_row=base, tensor_rel_l2=t_err,
@@ -183,13 +238,16 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
         max_cosine_distance=float(row_cosine_distance(out, g_out).masked_fill(~finite, 0).max()),
         rows=int(err.numel()),
     )
-    pool = inputs.pool if isinstance(inputs, DecodeInputs) else inputs.k_pool
+    pool = pool_of(inputs)
     if pool is not None:  # where the live pages really sit (a >2 GB case must reach 2^31)
         top = max(pool.byte_range(r)[1] for r in range(pool.table.batch))
         v.metrics.update(pool_bytes=pool.nbytes, live_top_byte=top, live_region=byte_region(0, top))
     if any(not c.passed for c in checks):
         v.metrics["heatmap"] = heatmap(err.masked_fill(~finite, float("inf")))
         v.metrics["heatmap_block"] = heatmap_block(err.shape)
+        found_axis = diagnose(case, inputs, failing, err, out, bound, k_bad & ~g_bad)
+        if found_axis is not None:
+            v.diagnosis, v.metrics["axis"] = found_axis.text, found_axis.axis
 
 
 HEATMAP_MAX = (256, 128)  # rows x heads kept in a report heat map (max-pooled beyond that)
@@ -213,7 +271,8 @@ def heatmap(err: torch.Tensor) -> list[list[float]]:
 
 
 def _check_ideal(case: Case, inputs: Inputs, out: torch.Tensor, b_out: torch.Tensor, ideal: Result,
-                 p_fmt: str, checks: list[Check], metrics: dict[str, Any]) -> list[Where]:
+                 p_fmt: str, checks: list[Check], metrics: dict[str, Any]
+                 ) -> tuple[list[Where], torch.Tensor]:
     i_out = ideal.out.detach().cpu()
     i_fin = torch.isfinite(i_out).all(-1)
     i_err = row_errors(out, i_out)
@@ -237,7 +296,7 @@ def _check_ideal(case: Case, inputs: Inputs, out: torch.Tensor, b_out: torch.Ten
         detail += f"; {overflow} input elements beyond the format's max before the cast"
     checks.append(Check("quantisation_loss", not bool(bad.any()), metrics["ideal_worst_row"], bound,
                         detail))
-    return localise(inputs, bad, i_err, bound, "quantisation_loss") if bad.any() else []
+    return (localise(inputs, bad, i_err, bound, "quantisation_loss") if bad.any() else []), bad
 
 
 def input_overflow(inputs: Inputs) -> int:
@@ -254,10 +313,11 @@ def input_overflow(inputs: Inputs) -> int:
 
 
 def _check_lse(inputs: Inputs, lse: torch.Tensor, g_lse: torch.Tensor, baseline: Output,
-               checks: list[Check], row_bound: float) -> list[Where]:
+               checks: list[Check], row_bound: float, metrics: dict[str, Any]
+               ) -> tuple[list[Where], torch.Tensor | None]:
     if tuple(lse.shape) != tuple(g_lse.shape):
         checks.append(Check("lse", False, detail=f"LSE shape {tuple(lse.shape)} != {tuple(g_lse.shape)}"))
-        return []
+        return [], None
     lse, g = lse.double(), g_lse.double()
     g_empty = torch.isneginf(g)
     same_empty = torch.isneginf(lse) == g_empty
@@ -269,10 +329,13 @@ def _check_lse(inputs: Inputs, lse: torch.Tensor, g_lse: torch.Tensor, baseline:
     own = tol.LSE_FACTOR * float(b_diff.max()) + tol.LSE_FLOOR
     bound = max(own, row_bound)
     bad = diff > bound
+    usable = torch.isfinite(lse) & torch.isfinite(g) & (g.abs() > LSE_RATIO_MIN)
+    if bool(usable.any()):  # a units mix-up shows as a constant ratio (base 2: 1.4427)
+        metrics["lse_ratio"] = float((lse[usable] / g[usable]).median())
     checks.append(Check("lse", not bool(bad.any()), float(diff.max()), bound,
                         f"{int(bad.sum())} rows; natural-log LSE; bound = max({tol.LSE_FACTOR:g} x "
                         f"baseline {float(b_diff.max()):.3g} + floor, output row bound {row_bound:.3g})"))
-    return localise(inputs, bad, diff, bound, "lse") if bad.any() else []
+    return (localise(inputs, bad, diff, bound, "lse") if bad.any() else []), bad
 
 
 def _nonfinite_detail(k_bad: torch.Tensor, g_bad: torch.Tensor) -> str:
@@ -285,34 +348,52 @@ def _nonfinite_detail(k_bad: torch.Tensor, g_bad: torch.Tensor) -> str:
     return "; ".join(parts)
 
 
-# --------------------------------------------------------------------------- localisation
+# Diagnoses a probe can sharpen: whole requests / segments failing, or every row.
+PROBED_AXES = frozenset({"all", "requests", "segments"})
 
 
-def request_bounds(inputs: Inputs) -> list[int]:
-    """Token-row boundaries of each request/segment (CSR)."""
-    if isinstance(inputs, PrefillInputs):
-        return inputs.cu_seqlens_q.tolist()
-    return inputs.qo_indptr.tolist()
+@dataclass
+class Probes:
+    """Kernel outputs on rearranged copies of the inputs (mlacheck.probes)."""
+
+    alone: dict[int, Output] = field(default_factory=dict)  # unit -> its output run alone
+    relocated: Output | None = None  # all units, live pages moved to the pool's bottom
 
 
-def localise(inputs: Inputs, bad: torch.Tensor, err: torch.Tensor, bound: float, check: str) -> list[Where]:
-    """Group bad rows [T, H] by request: token range, heads, worst error, pages and bytes."""
+def _passes(got: Output, gold_out: torch.Tensor, bound: float) -> bool:
+    out = got.out.detach().cpu()
+    if tuple(out.shape) != tuple(gold_out.shape) or not bool(torch.isfinite(out).all()):
+        return False
+    return float(row_errors(out, gold_out).max()) <= bound if out.numel() else True
+
+
+def refine_diagnosis(v: Verdict, inputs: Inputs, gold: Result, probes: Probes) -> None:
+    """What the probes show: a batch that fails where each unit passes alone, or pages that
+    fail where the same tokens on low pages pass."""
+    bound = float(v.metrics.get("bound", 0.0))
+    g = gold.out.detach().cpu()
+    case = inputs.case
+    unit = unit_name(case)
+    if probes.relocated is not None and _passes(probes.relocated, g, bound):
+        pool = pool_of(inputs)
+        assert pool is not None
+        top = int(pool.table.indices.max())
+        top_byte = (top + 1) * pool.page_bytes
+        v.diagnosis = (f"pages: the same tokens on pages 0..{pool.table.indices.numel() - 1} "
+                       f"pass, so page placement is mishandled (live page ids up to {top}"
+                       f"{' (past 2^16)' if top >= 1 << 16 else ' (past 2^15)' if top >= 1 << 15 else ''}"
+                       f", bytes up to {top_byte:#x}, {byte_region(0, top_byte)})")
+        v.metrics["axis"] = "pool"
+        return
     cuts = request_bounds(inputs)
-    pool = inputs.pool if isinstance(inputs, DecodeInputs) else inputs.k_pool
-    found = []
-    for r in range(len(cuts) - 1):
-        blk = bad[cuts[r] : cuts[r + 1]]
-        if not blk.any():
-            continue
-        tok = torch.nonzero(blk.any(1)).flatten()
-        heads = torch.nonzero(blk.any(0)).flatten().tolist()
-        w = Where(
-            check, r, (cuts[r] + int(tok[0]), cuts[r] + int(tok[-1])), (int(tok[0]), int(tok[-1])),
-            heads, float(err[cuts[r] : cuts[r + 1]][blk].max()), bound,
-        )
-        if pool is not None:
-            w.pages = pool.table.pages_of(r).tolist()
-            lo, hi = pool.byte_range(r)
-            w.bytes, w.region = (lo, hi), byte_region(lo, hi)
-        found.append(w)
-    return found
+    alone = {u: _passes(o, g[cuts[u] : cuts[u + 1]], bound) for u, o in probes.alone.items()}
+    if alone and all(alone.values()):
+        failing = [w.request for w in v.where]
+        units = sorted(set(failing)) or sorted(alone)
+        shared = shared_properties(case, inputs, units)
+        verb = "fails" if len(units) == 1 else "fail"
+        v.diagnosis = (f"{units_phrase(case, units)} {verb} in the batch but pass alone (probed "
+                       f"{ranges(sorted(alone))}): the batch indexing (offsets of {unit}s in "
+                       f"qo_indptr / cu_seqlens / the page table) is wrong"
+                       + (f"; the failing ones share {shared}" if shared else ""))
+        v.metrics["axis"] = f"{unit}s"

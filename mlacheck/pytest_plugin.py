@@ -27,7 +27,10 @@ import pytest
 
 from mlacheck import results as results_file
 from mlacheck.outcome import CoveragePolicy, Outcome
+from mlacheck.progress import Progress
 
+# Runs smaller than this get no progress lines (pytest's own output says enough).
+PROGRESS_MIN_ITEMS = 20
 # Where workers write when the user named no results file (the controller's private file).
 _PRIVATE_RESULTS_ENV = "MLACHECK_PRIVATE_RESULTS"
 # Exit status of a worker that leaves after a device-side error (xdist replaces it).
@@ -88,6 +91,14 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_XdistHooks(), "mla-xdist")
     if not worker and _runs_the_suite(config):
         state.preflight()
+
+
+def _quiet_xdist_status(config: pytest.Config) -> None:
+    """xdist prints "bringing up nodes..." twice into non-TTY logs; the run's own progress
+    lines (mlacheck.progress) say more."""
+    trdist = config.pluginmanager.get_plugin("terminaldistreporter")
+    if trdist is not None:
+        trdist.ensure_show_status = lambda: None
 
 
 def is_worker(config: pytest.Config) -> bool:
@@ -166,6 +177,9 @@ class _State:
         self.header_written = False
         self.outcome: Outcome | None = None
         self.temporary_results = False
+        self._by_id: dict[str, Item] | None = None
+        self._progress: Progress | None = None
+        self.selected: list[Item] = []  # what this run collected (after -k / -m / resume)
 
     @property
     def backend_names(self) -> list[str]:
@@ -256,6 +270,7 @@ class _State:
             it = by_id.get(m.group(1)) if m else None
             if it is not None:
                 expected.append((it.backend, it.case.id))
+        self.selected = [by_id[f"{b}-{c}"] for b, c in expected]
         if not expected:
             return
         self.header_written = True
@@ -266,6 +281,28 @@ class _State:
 
     def recorded_ids(self) -> set[tuple[str, str]]:
         return results_file.recorded_items(self.results)
+
+    def item_of(self, nodeid: str) -> Item | None:
+        """The mla item a pytest node id names (None for other tests)."""
+        if self._by_id is None:
+            self._by_id = {it.id: it for it in self.items()} if _runs_the_suite(
+                self.config) else {}
+        m = re.search(r"\[(.+)\]$", nodeid)
+        return self._by_id.get(m.group(1)) if m else None
+
+    def progress(self) -> Progress:
+        if self._progress is None:
+            from collections import Counter
+
+            self._progress = Progress(Counter((it.backend, it.case.op)
+                                              for it in self.selected or self.items()))
+        return self._progress
+
+    @property
+    def show_progress(self) -> bool:
+        """Progress lines for runs of more than a handful of items (and never with -qq)."""
+        n = len(self.selected or self.items())
+        return n >= PROGRESS_MIN_ITEMS and self.config.get_verbosity() >= -1
 
 
 def _leave_out(path: str | None) -> set[tuple[str, str]]:
@@ -345,24 +382,34 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         state.write(_crash_record(state, mla, f"error outside the verdict: {msg}", item.nodeid))
 
 
+@pytest.hookimpl(tryfirst=True)  # before junitxml and the terminal read report.node
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """xdist controller: record a CRASH line for an item whose worker died under it."""
-    if report.when != "???" or not report.failed:
-        return
+    """Controller (or the only process): progress lines; under xdist, a CRASH line for an
+    item whose worker died under it, and no worker banner ("[gw0] linux -- Python ...")
+    above each failure card."""
     config = _CONFIG.get("config")
-    if config is None:
+    if config is None or is_worker(config):
         return
     state: _State = config.stash[_STATE]
-    m = re.search(r"\[(.+)\]$", report.nodeid)
-    if not m:
+    it = state.item_of(report.nodeid)
+    if it is None:
         return
-    by_id = {it.id: it for it in state.items()}
-    it = by_id.get(m.group(1))
-    if it is None or (it.backend, it.case.id) in state.recorded_ids():
-        return
-    msg = str(report.longrepr).strip().splitlines()
-    reason = "worker crashed: " + (msg[0] if msg else "no output")
-    state.write(_crash_record(state, it, reason, report.nodeid))
+    if hasattr(report, "node"):
+        del report.node  # only the banner reads it
+    if report.when == "???" and report.failed and (
+            it.backend, it.case.id) not in state.recorded_ids():
+        msg = str(report.longrepr).strip().splitlines()
+        reason = "worker crashed: " + (msg[0] if msg else "no output")
+        state.write(_crash_record(state, it, reason, report.nodeid))
+    finished = report.when in ("call", "???") or (report.when == "setup" and not report.passed)
+    if finished:
+        outcome = "known" if hasattr(report, "wasxfail") else report.outcome
+        line = state.progress().record(it.backend, it.case.op, outcome)
+        tr = config.pluginmanager.get_plugin("terminalreporter")
+        if line and tr is not None and state.show_progress:
+            if getattr(tr, "_width_of_current_line", 0):  # after pytest's dots
+                tr.write("\n")
+            tr.write_line(line)
 
 
 _CONFIG: dict[str, pytest.Config] = {}
@@ -371,6 +418,8 @@ _CONFIG: dict[str, pytest.Config] = {}
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
     _CONFIG["config"] = session.config
+    if not is_worker(session.config) and _runs_the_suite(session.config):
+        _quiet_xdist_status(session.config)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

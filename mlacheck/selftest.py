@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from mlacheck.backends.faults import FAULTS, FaultSpec
+from mlacheck.errors import OneLineParser, UsageError
 from mlacheck.spec import Case
 from mlacheck.verdict import CRASH, FAIL, PASS, SKIP, Verdict
 
@@ -54,10 +55,6 @@ QUICK_LARGE_KV_BACKENDS = ("torch", "aiter-model")
 # keeps the smallest failing case found so far).
 SEARCH_RUNS = {"quick": 24, "full": 200}
 EXPENSIVE_SEARCH_RUNS = {"quick": 3, "full": 12}
-
-
-class UsageError(Exception):
-    """Bad input: one line, exit 2."""
 
 
 @dataclass
@@ -331,13 +328,9 @@ def to_json(faults: Sequence[FaultResult], correct: Sequence[BackendResult],
 # --------------------------------------------------------------------------- main
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="mlacheck selftest", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="mlacheck selftest",
+                description=" ".join(__doc__.split("\n\n")[0].split()).replace("`", ""))
     p.add_argument("--quick", action="store_true",
                    help="CPU-sized (CI): each fault on its own matrix groups, small search "
                         "budgets, large-KV cases on torch and aiter-model only")

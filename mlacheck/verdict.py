@@ -41,12 +41,14 @@ class Where:
     pages: list[int] = field(default_factory=list)
     bytes: tuple[int, int] | None = None
     region: str = ""
+    kv_len: int | None = None  # the request's / segment's kv length (None in old results)
 
     def message(self, unit: str) -> str:
         kind = "segment" if unit == "segment" else "request"
         h = ranges(self.heads)
+        kv = f" (kv {self.kv_len})" if self.kv_len is not None else ""
         s = (
-            f"{self.check}: {kind} {self.request} tokens {self.request_tokens[0]}-"
+            f"{self.check}: {kind} {self.request}{kv} tokens {self.request_tokens[0]}-"
             f"{self.request_tokens[1]} (rows {self.tokens[0]}-{self.tokens[1]}), heads {h}: "
             f"worst {self.worst:.3g} > bound {self.bound:.3g}"
         )
@@ -73,6 +75,9 @@ class Verdict:
     # a FAIL/CRASH is reported KNOWN, a PASS is XPASS (the rule is stale).
     known_failure: str = ""
     known_rule: str = ""
+    # The axis the failure lies along, in words (mlacheck.localise.diagnose): the first line
+    # of the failure card.
+    diagnosis: str = ""
 
     @property
     def failed_checks(self) -> list[Check]:
@@ -83,6 +88,8 @@ class Verdict:
         head = f"{self.status} {self.backend} {self.case_id}"
         if self.reason:
             head += f": {self.reason}"
+        if self.diagnosis:
+            head += f" -- {self.diagnosis}"
         lines = [head]
         for c in self.failed_checks:
             b = f" (value {c.value:.3g}, bound {c.bound:.3g})" if c.value is not None and c.bound is not None else ""

@@ -156,11 +156,11 @@ class Backend(Protocol):
 
 def skip_reason(backend: Backend, case: Case, device: str) -> str | None:
     """Why this backend cannot run this case here (None = it can)."""
+    # The reason alone: reports and the terminal already group skips by backend and op.
     why = backend.unavailable()
     if why:
-        return f"{backend.name} unavailable: {why}"
+        return f"unavailable: {why}"
     cap = backend.capabilities().get(case.op)
     if cap is None:
-        return f"{backend.name} does not provide op {case.op}"
-    why = cap.why_not(case, device)
-    return f"{backend.name} {case.op}: {why}" if why else None
+        return f"does not provide op {case.op}"
+    return cap.why_not(case, device)

@@ -199,7 +199,7 @@ class MLARunner:
     def _run(self, case: Case, inputs: Inputs) -> torch.Tensor:
         why = skip_reason(self.backend, case, self.device.type)
         if why:
-            raise E2EError(f"cannot run the model's attention: {why}")
+            raise E2EError(f"cannot run the model's attention: {self.backend.name} {case.op}: {why}")
         res = self.backend.run(case, inputs)
         if self.observer is not None:
             self.observer(case, inputs, res)

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import platform
+import subprocess
 import tempfile
 import urllib.error
 import urllib.parse
@@ -465,6 +466,29 @@ def _quiet_orphaned_asyncio_tasks() -> Iterator[None]:
         logger.removeFilter(quiet)
 
 
+@contextlib.contextmanager
+def _quiet_git_probe() -> Iterator[None]:
+    """lm-eval records `git describe` of the working directory; outside a git checkout git
+    prints `fatal: not a git repository` on our stderr. Ask git the same, quietly."""
+    import lm_eval.evaluator as evaluator
+
+    original = evaluator.get_git_commit_hash
+
+    def quiet() -> str | None:
+        try:
+            done = subprocess.run(["git", "describe", "--always"], capture_output=True,
+                                  text=True, check=True)
+            return done.stdout.strip()
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return None
+
+    evaluator.get_git_commit_hash = quiet
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original
+
+
 def _make_lm(model: Any) -> tuple[Any, str]:
     if isinstance(model, ModelSpec):
         from lm_eval.api.registry import get_model
@@ -519,13 +543,17 @@ def run_gsm8k(model: ModelSpec | Any, settings: RunSettings) -> GateRecord:
         tempfile.TemporaryDirectory(prefix="mlacheck-gsm8k-") as task_dir,
         responses_path(out).open("w", encoding="utf-8") as stream,
     ):
+        # the generation budget goes in the task's own generation_kwargs: passed as lm-eval's
+        # gen_kwargs it warns on every run ("Ensure 'do_sample=True'...") for greedy decoding
+        run_cfg = {**cfg, "generation_kwargs": {**cfg["generation_kwargs"],
+                                                "max_gen_toks": settings.max_gen_toks}}
         (Path(task_dir) / f"{TASK_NAME}.yaml").write_text(
-            yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8"
+            yaml.safe_dump(run_cfg, sort_keys=False), encoding="utf-8"
         )
         log = _ResponseLog(stream)
         failure: str | None = None
         results: Mapping[str, Any] | None = None
-        with _quiet_orphaned_asyncio_tasks():
+        with _quiet_orphaned_asyncio_tasks(), _quiet_git_probe():
             try:
                 results = simple_evaluate(
                     model=_recording_lm(inner, log),
@@ -533,7 +561,6 @@ def run_gsm8k(model: ModelSpec | Any, settings: RunSettings) -> GateRecord:
                     num_fewshot=settings.num_fewshot,
                     limit=settings.limit,
                     log_samples=True,
-                    gen_kwargs={"max_gen_toks": settings.max_gen_toks},
                     task_manager=TaskManager(include_path=task_dir, include_defaults=False),
                 )
             except (Exception, KeyboardInterrupt) as exc:

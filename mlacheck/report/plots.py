@@ -215,7 +215,7 @@ def error_heatmap(failure: Failure) -> bytes | None:
                 )
             )
     cb = fig.colorbar(im, ax=ax, label="row error (relative L2)")
-    if bound is not None:
+    if bound is not None and vmin <= bound <= vmax:  # always, by _colour_range
         cb.ax.axhline(bound, color="black", lw=2)
         cb.ax.annotate(
             "bound",
@@ -226,6 +226,7 @@ def error_heatmap(failure: Failure) -> bytes | None:
             ha="right",
             va="center",
             fontsize=8,
+            annotation_clip=True,
         )
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -240,10 +241,17 @@ def error_heatmap(failure: Failure) -> bytes | None:
     return _png(fig)
 
 
+# The colour scale reaches this factor below the bound, so the bound's line is on the colour
+# bar even when every row is far beyond it (all red, the bound still drawn).
+BELOW_BOUND = 3.0
+
+
 def _colour_range(positive: list[float], bound: float | None) -> tuple[float, float]:
     """Log colour limits spanning the errors seen and the bound, at least a decade wide."""
     vmax = max(max(positive, default=0.0), (bound or 0.0) * 1.5) or 1.0
     vmin = min(positive) if positive else (bound or vmax) / 100
+    if bound is not None:
+        vmin = min(vmin, bound / BELOW_BOUND)
     return min(vmin, vmax / 10), vmax
 
 

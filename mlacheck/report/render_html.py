@@ -68,6 +68,7 @@ table.checks{font-size:12px}
 details{margin:8px 0}summary{cursor:pointer;color:#1565c0}
 .plot{background:#fff;border:1px solid #ddd;border-radius:6px;padding:8px;display:inline-block}
 .muted{color:#777}
+.diagnosis{margin:2px 0 8px;padding:4px 8px;background:#fff3e0;border-radius:4px}
 """
 
 
@@ -193,6 +194,8 @@ def _card(f: Failure, with_plot: bool, known: bool = False) -> str:
     ]
     if v.reason:
         parts.append(f'<div class="reason">{escape(v.reason)}</div>')
+    if v.diagnosis:  # the axis the failure lies along (mlacheck.localise)
+        parts.append(f'<div class="diagnosis">{escape(v.diagnosis)}</div>')
     if known:
         parts.append(f'<div class="warn">known failure: {escape(known_failure(v))}</div>')
     png = plots.error_heatmap(f) if with_plot else None

@@ -251,6 +251,25 @@ _SPECS = (
 
 FAULTS: dict[str, FaultSpec] = {s.name: s for s in _SPECS}
 
+# The axis each fault acts along: what the first line of its failure card must name
+# (mlacheck.localise.diagnose; tests/unit/faults/test_localisation.py). "crash": the fault
+# is a refused call, whose card is the exception.
+AXES: dict[str, str] = {
+    "decode-num-actual-tokens": "output", "sparse-ragged-rowmajor": "rows",
+    "sparse-dense-metadata": "schedule", "multiseg-as-one": "segments",
+    "multiseg-first-only": "segments", "pad-heads-floor-div": "crash",
+    "offset-wrap-int32": "pool", "offset-wrap-uint32": "pool", "read-past-page-end": "kv",
+    "fp8-unit-scale": "all", "context-chunk-lse": "segments", "mtp-metadata-qlen1": "schedule",
+    "stale-metadata": "schedule", "last-page-lens-one": "kv", "unpad-heads-slice": "heads",
+    "perturb-row": "heads", "default-softmax-scale": "all", "lse-base2": "lse",
+    "causal-top-left": "segments", "last-page-off-by-one": "kv", "write-past-output": "output",
+    "nondeterministic": "runs", "tile-multiple-drops-last": "kv", "kv-clamp-16k": "kv",
+    "page-id-int16": "requests", "page-id-uint16": "requests",
+    "empty-request-shift": "requests", "empty-segment-shift": "segments",
+    "single-token-no-context": "segments", "soft-cap-ignored": "rows",
+    "per-token-scale-ignored": "rows", "narrow-accumulation": "requests",
+}
+
 # What the registry merges into its built-ins: `fault:<name>` -> "module:factory".
 BUILTIN_NAMES: dict[str, str] = {s.backend_name: s.factory for s in _SPECS}
 
@@ -269,4 +288,4 @@ def make(name: str, inner: str | None = None) -> Any:
     return spec_of(name).build(inner)
 
 
-__all__ = ["BUILTIN_NAMES", "FAULTS", "PREFIX", "FaultSpec", "make", "spec_of"]
+__all__ = ["AXES", "BUILTIN_NAMES", "FAULTS", "PREFIX", "FaultSpec", "make", "spec_of"]

@@ -170,7 +170,7 @@ def test_premerge_with_a_backend_that_runs_nothing_is_not_a_pass(tmp_path: Path,
     r = run_script("premerge.sh", {"MATRIX": str(tiny), "BACKENDS": "aiter torch"}, tmp_path)
     assert r.returncode == 6, r.stdout[-3000:] + r.stderr
     assert "result: NOT ENOUGH RAN" in r.stdout and "result: PASS" not in r.stdout
-    assert "gate: backend aiter executed no case: aiter unavailable" in r.stdout
+    assert "gate: backend aiter executed no case: unavailable" in r.stdout
 
 
 def test_premerge_unknown_backend_is_one_line_exit_2(tmp_path: Path, tiny: Path) -> None:

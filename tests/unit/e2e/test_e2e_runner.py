@@ -138,7 +138,7 @@ class _Unavailable(TorchBackend):
 def test_backends_that_cannot_run_the_model_say_why() -> None:
     model = tiny_model()
     runner = MLARunner(model, _NoDecode(name="no-decode"))
-    with pytest.raises(E2EError, match="no-decode does not provide op mla_decode"):
+    with pytest.raises(E2EError, match="no-decode mla_decode: does not provide op mla_decode"):
         runner.generate(PROMPTS, 3)
     with pytest.raises(E2EError, match="unavailable: no such device"):
         MLARunner(model, _Unavailable(name="gone"))

@@ -23,10 +23,10 @@ from _report_synth import (
 
 from mlacheck.backends.base import Capability, Output
 from mlacheck.inputs import DecodeInputs
+from mlacheck.outcome import KNOWN
 from mlacheck.report import load_results, main, summarise, write_html, write_markdown
 from mlacheck.report import plots as plots_mod
 from mlacheck.report.load import parse_line, read_results
-from mlacheck.report.summary import KNOWN
 from mlacheck.spec import Case
 from mlacheck.verdict import FAIL, PASS, SKIP, Verdict
 
@@ -281,7 +281,7 @@ def test_report_of_real_judge_verdicts(tmp_path: Path) -> None:
     md = (tmp_path / "report.md").read_text()
     html = (tmp_path / "report.html").read_text()
     msg = bad.where[0].message("request")
-    assert "request 1 tokens 0-1" in msg and "heads 3" in msg
+    assert "request 1 (kv 70) tokens 0-1" in msg and "heads 3" in msg
     assert msg in md
     assert msg.replace(">", "&gt;") in html
     assert "| torch | mla_decode | 1 | 0 | 0 | 0 | 0 | 1 |" in md
@@ -306,3 +306,47 @@ def test_odd_verdicts_are_counted_not_fatal(tmp_path: Path) -> None:
     assert "odd-case" in html and "new status" in html
     if HAS_MPL:
         assert html.count("data:image/png;base64,") == 3
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib not installed")
+def test_heatmap_with_every_row_over_the_bound_keeps_its_layout() -> None:
+    """Issue 16: when every row is far beyond the bound the bound's label was drawn off the
+    colour bar, the figure grew a blank area and matplotlib warned that constrained layout
+    collapsed. The bound now sits on the colour scale and the PNG keeps its size."""
+    import struct
+
+    from mlacheck.harness import run_case
+    from mlacheck.report.summary import Failure
+    from mlacheck.spec import DecodeCase, Request
+
+    class Wrong:
+        name = "wrong"
+
+        def __init__(self) -> None:
+            from mlacheck.backends.torch_ref import TorchBackend
+
+            self.inner = TorchBackend()
+
+        def capabilities(self) -> dict[str, Capability]:
+            return self.inner.capabilities()
+
+        def unavailable(self) -> None:
+            return None
+
+        def run(self, case: Case, inputs: DecodeInputs) -> Output:
+            res = self.inner.run(case, inputs)
+            res.out.mul_(-3.0)  # every row far beyond the bound
+            return res
+
+    v = run_case(DecodeCase(requests=(Request(1, 37), Request(1, 300)), num_heads=16,
+                            page_size=1024), Wrong())
+    assert v.status == FAIL and v.metrics["worst_row"] > 100 * v.metrics["bound"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        png = plots_mod.error_heatmap(Failure(v, v.summary()))
+    assert png is not None
+    width, height = struct.unpack(">II", png[16:24])  # the PNG header's IHDR size
+    assert width <= 900 and height <= 600, (width, height)
+    # and the bound stays on the colour scale (drawn, not dropped) however far the rows are
+    lo, hi = plots_mod._colour_range([float(v.metrics["worst_row"])], v.metrics["bound"])
+    assert lo <= v.metrics["bound"] <= hi

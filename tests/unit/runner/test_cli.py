@@ -80,8 +80,8 @@ def test_wrong_backend_by_import_path_fails_naming_the_request(tiny: Path, tmp_p
     assert len(recs) == 3 and {x["status"] for x in recs} == {"FAIL"}
     for x in recs:
         assert {w["request"] for w in x["where"]} == {1}, x["where"]
-    assert "request 1 tokens 0-1" in r.stdout
-    assert "segment 1 tokens 0-23" in r.stdout
+    assert "request 1 (kv 130) tokens 0-1" in r.stdout
+    assert "segment 1 (kv 24) tokens 0-23" in r.stdout
 
 
 def test_abort_is_one_crash_and_every_other_case_reported(tiny: Path, tmp_path: Path) -> None:
@@ -105,7 +105,9 @@ def test_abort_is_one_crash_and_every_other_case_reported(tiny: Path, tmp_path: 
         (["run", "--backend", "nosuchmodule.x:factory"], "cannot import nosuchmodule.x"),
         (["run", "--matrix", "no-such-matrix"], "no-such-matrix"),
         (["replay", '{"kind": "decode", "requests": [[3, 2]]}'], "bad request"),
-        (["replay", "not-a-case-id"], "not a JSON file"),
+        (["replay", "not-a-case-id"], "is not a case id"),
+        (["replay", "missing.json"], "case file 'missing.json' not found"),
+        (["run", "--timeout", "-5"], "must be a positive integer"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str) -> None:
@@ -160,3 +162,22 @@ def test_resume_runs_only_what_the_results_file_lacks(tiny: Path, tmp_path: Path
     recs = records(res)
     assert len(recs) == 3 and len({x["case_id"] for x in recs}) == 3
     assert recs[0] == json.loads(first)
+
+
+def test_terminal_shows_progress_without_pytest_and_xdist_noise(tiny: Path, tmp_path: Path) -> None:
+    """Issue 16: no "bringing up nodes..." lines, no "[gw0] linux -- Python ..." banner above
+    each failure card, no assert-rewrite or benchmark warnings; progress lines per backend x
+    op with a running FAIL count once a run has enough items."""
+    r = mlacheck("run", "-b", "bad_backends:perturb_request", "--matrix", str(tiny), "--results",
+                 str(tmp_path / "r.jsonl"), "--no-report", "-n", "2")
+    assert r.returncode == 1
+    out = r.stdout + r.stderr
+    for noise in ("bringing up nodes", "] linux -- Python", "PytestAssertRewriteWarning",
+                  "PytestBenchmarkWarning"):
+        assert noise not in out, noise
+    assert "FAIL perturb-request dec-" in r.stdout  # the card itself is there
+    r = mlacheck("run", "-b", "torch", "-b", "bad_backends:perturb_request", "--matrix", "smoke",
+                 "-k", "dec- or pf-s2", "--results", str(tmp_path / "p.jsonl"), "--no-report")
+    lines = [x for x in r.stdout.splitlines() if x.startswith("mlacheck: ") and " items (" in x]
+    assert lines and "FAIL " in lines[-1] and lines[-1].split()[1].split("/")[0] == (
+        lines[-1].split()[1].split("/")[1])  # the last line: all items done

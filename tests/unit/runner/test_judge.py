@@ -53,7 +53,9 @@ def test_one_request_perturbed_is_named() -> None:
     assert [w.request for w in rows] == [1]
     assert rows[0].request_tokens == (0, 1) and rows[0].heads == list(range(16))
     assert rows[0].pages == v_pages(1)
-    assert "request 1 tokens 0-1" in v.summary()
+    assert "request 1 (kv 200) tokens 0-1" in v.summary()
+    # the first line names the axis: all rows of request 1, and what it alone has (MTP rows)
+    assert "request 1 of 3 (all their rows)" in v.summary().splitlines()[0]
 
 
 def v_pages(r: int) -> list[int]:

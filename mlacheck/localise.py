@@ -1,0 +1,344 @@
+"""Where a failure lives: which rows, and along which axis the bug acts.
+
+`localise` groups bad rows [T, H] by request (decode) or segment (prefill): token range,
+heads, worst error, pages and pool bytes. `diagnose` reads the pattern of the bad rows and
+names the axis a kernel engineer should look along, for the first line of the failure card:
+
+- heads: a subset of heads fails wherever it fails (padding, head mapping);
+- requests / segments: whole requests fail while others pass; what the failing ones share
+  and the passing ones do not is said (a partial last page, a tile-multiple kv length, pages
+  past 2^31, an empty neighbour, ...);
+- KV positions / pages: the kernel's output for a failing request equals attention over a
+  prefix of its kv (the golden re-run on truncated kv), so the named positions were dropped;
+  or it is non-finite where the only poison it could reach is the tail of its last page;
+- pool region: exactly the requests with live pages past 2^31 / 2^32 bytes fail;
+- tokens: some tokens of a request fail in every head (MTP rows, one-token segments);
+- rows: anything else (named by request, tokens and heads).
+
+The KV test re-runs the golden for at most MAX_KV_PROBES requests on a few candidate
+prefixes each, only on FAIL, so it costs a fraction of the case's own golden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mlacheck import boundaries
+from mlacheck.golden.core import Operand, attend, per_tensor
+from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
+from mlacheck.kvcache import KVPool, byte_region
+from mlacheck.spec import Case, PrefillCase, SparseDecodeCase
+from mlacheck.verdict import Where, ranges
+
+# Failing requests whose kv the KV-attribution test re-runs (the worst first).
+MAX_KV_PROBES = 4
+# A truncated-kv golden explains a request when its worst row error against the kernel is
+# within this fraction of the row bound (the kernel then computed exactly that attention).
+EXPLAINED_FRACTION = 1.0
+
+
+def request_bounds(inputs: Inputs) -> list[int]:
+    """Token-row boundaries of each request/segment (CSR)."""
+    if isinstance(inputs, PrefillInputs):
+        return inputs.cu_seqlens_q.tolist()
+    return inputs.qo_indptr.tolist()
+
+
+def pool_of(inputs: Inputs) -> KVPool | None:
+    return inputs.pool if isinstance(inputs, DecodeInputs) else inputs.k_pool
+
+
+def localise(inputs: Inputs, bad: torch.Tensor, err: torch.Tensor, bound: float,
+             check: str) -> list[Where]:
+    """Group bad rows [T, H] by request: token range, heads, worst error, pages and bytes."""
+    cuts = request_bounds(inputs)
+    pool = pool_of(inputs)
+    kv_lens = boundaries.kv_lengths(inputs.case)
+    found = []
+    for r in range(len(cuts) - 1):
+        blk = bad[cuts[r] : cuts[r + 1]]
+        if not blk.any():
+            continue
+        tok = torch.nonzero(blk.any(1)).flatten()
+        heads = torch.nonzero(blk.any(0)).flatten().tolist()
+        w = Where(
+            check, r, (cuts[r] + int(tok[0]), cuts[r] + int(tok[-1])), (int(tok[0]), int(tok[-1])),
+            heads, float(err[cuts[r] : cuts[r + 1]][blk].max()), bound, kv_len=kv_lens[r],
+        )
+        if pool is not None:
+            w.pages = pool.table.pages_of(r).tolist()
+            lo, hi = pool.byte_range(r)
+            w.bytes, w.region = (lo, hi), byte_region(lo, hi)
+        found.append(w)
+    return found
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    axis: str  # heads | requests | segments | kv | pool | tokens | rows | all
+    text: str
+
+
+def unit_name(case: Case) -> str:
+    return "segment" if isinstance(case, PrefillCase) else "request"
+
+
+def units_phrase(case: Case, units: list[int]) -> str:
+    """'request 2' / 'requests 1-3'."""
+    unit = unit_name(case)
+    return f"{unit} {units[0]}" if len(units) == 1 else f"{unit}s {ranges(units)}"
+
+
+def diagnose(case: Case, inputs: Inputs, bad: torch.Tensor, err: torch.Tensor,
+             out: torch.Tensor, bound: float, nonfinite: torch.Tensor | None = None
+             ) -> Diagnosis | None:
+    """The axis along which the bad rows [T, H] lie (see the module docstring)."""
+    if not bool(bad.any()):
+        return None
+    unit = unit_name(case)
+    cuts = request_bounds(inputs)
+    n_units = len(cuts) - 1
+    h = bad.shape[1]
+    rows_of = [bad[cuts[u] : cuts[u + 1]] for u in range(n_units)]
+    live = [u for u in range(n_units) if cuts[u + 1] > cuts[u]]
+    bad_units = [u for u in live if bool(rows_of[u].any())]
+    good_units = [u for u in live if u not in bad_units]
+    whole = [u for u in bad_units if bool(rows_of[u].all())]
+    bad_heads = sorted(set(torch.nonzero(bad.any(0)).flatten().tolist()))
+
+    kv_first = _kv_attribution(case, inputs, bad_units, out, bound, nonfinite)
+    if kv_first:  # a proven explanation beats any row pattern
+        return Diagnosis("kv", f"KV positions: {kv_first}")
+    if len(bad_heads) < h and all(
+            set(torch.nonzero(rows_of[u].any(0)).flatten().tolist()) <= set(bad_heads)
+            for u in bad_units) and _same_heads_per_row(bad, bad_heads):
+        where = f"{len(bad_units)} of {len(live)} {unit}s" if good_units else f"every {unit}"
+        return Diagnosis("heads", f"heads {ranges(bad_heads)} of {h} ({where})")
+
+    if whole and len(whole) == len(bad_units):
+        if not good_units:
+            if len(live) == 1:
+                props = ", ".join(k for k, on in _properties(case, inputs, live[0]).items() if on)
+                return Diagnosis(f"{unit}s", f"{unit} {live[0]} (all its rows; the case's only "
+                                             f"{unit}" + (f": {props}" if props else "") + ")")
+            return Diagnosis("all", f"every {unit}, every head: a global cause (scale, format, "
+                                    "softmax, accumulation, LSE convention)")
+        pool = _pool_region(case, inputs, bad_units, good_units)
+        if pool:
+            return Diagnosis("pool", pool)
+        shared = _shared(case, inputs, bad_units, good_units)
+        names = f"{units_phrase(case, bad_units)} of {len(live)} (all their rows)"
+        return Diagnosis(f"{unit}s", names + (f"; they share {shared}" if shared else ""))
+
+    partial = [u for u in bad_units if _tokens_pattern(rows_of[u])]
+    if partial and len(partial) == len(bad_units):
+        toks = "; ".join(f"{unit} {u} tokens "
+                         f"{ranges(torch.nonzero(rows_of[u].any(1)).flatten().tolist())}"
+                         for u in partial[:6])
+        return Diagnosis("tokens", f"tokens (all heads): {toks}")
+    return Diagnosis("rows", f"rows of {units_phrase(case, bad_units)}, heads {ranges(bad_heads)}")
+
+
+def _tokens_pattern(rows: torch.Tensor) -> bool:
+    """Some tokens of a unit fail across (most of) the heads, others do not fail at all."""
+    tokens = rows.any(1)
+    if bool(tokens.all()):
+        return False
+    return bool((rows[tokens].float().mean() >= 0.5).item())
+
+
+# A head bug fails the same heads in every failing token: at least this share of the failing
+# tokens must fail in exactly the union of failing heads (data-dependent misses of a KV bug
+# scatter over heads and give no such agreement).
+HEAD_AGREEMENT = 0.9
+
+
+def _same_heads_per_row(bad: torch.Tensor, heads: list[int]) -> bool:
+    """The failing heads are a head property: failing tokens agree on which heads fail."""
+    rows = bad[bad.any(1)]
+    if not len(heads) or rows.numel() == 0:
+        return False
+    union = torch.zeros(bad.shape[1], dtype=torch.bool)
+    union[heads] = True
+    agree = (rows == union).all(1).float().mean()
+    return bool(agree >= HEAD_AGREEMENT)
+
+
+def _pool_region(case: Case, inputs: Inputs, bad: list[int], good: list[int]) -> str:
+    pool = pool_of(inputs)
+    if pool is None:
+        return ""
+    for limit in (1 << 32, 1 << 31):
+        past = {u for u in bad + good if pool.byte_range(u)[1] > limit}
+        if past and past == set(bad):
+            name = "2^32" if limit == 1 << 32 else "2^31"
+            return (f"pool region: exactly the {unit_name(case)}s with live pages past {name} "
+                    f"bytes fail ({unit_name(case)}s {ranges(bad)}; the others sit below)")
+    return ""
+
+
+def shared_properties(case: Case, inputs: Inputs, units: list[int]) -> str:
+    """Properties every one of `units` has (e.g. an empty request before them)."""
+    props = [_properties(case, inputs, u) for u in units]
+    return ", ".join([k for k in props[0] if all(p.get(k) for p in props)][:4]) if props else ""
+
+
+def _shared(case: Case, inputs: Inputs, bad: list[int], good: list[int]) -> str:
+    """Properties every failing unit has and no passing one does."""
+    props = [_properties(case, inputs, u) for u in bad + good]
+    pb, pg = props[: len(bad)], props[len(bad):]
+    common = [k for k in pb[0] if all(p.get(k) for p in pb) and not any(p.get(k) for p in pg)]
+    return ", ".join(common[:4])
+
+
+def _properties(case: Case, inputs: Inputs, u: int) -> dict[str, bool]:
+    lens = boundaries.kv_lengths(case)
+    qs = boundaries.q_lengths(case)
+    kv, q = lens[u], qs[u]
+    out: dict[str, bool] = {}
+    ps = _page_size(case)
+    if ps and ps > 1:
+        out["a partial last page"] = bool(kv % ps)
+        out["a full last page"] = not kv % ps
+    for m in boundaries.TILE_SIZES[::-1]:
+        if kv and kv % m == 0:
+            out[f"a kv length that is a multiple of {m}"] = True
+            break
+    for n in boundaries.LONG_KV[::-1]:
+        if kv > n:
+            out[f"kv longer than {n}"] = True
+            break
+    if q > 1:
+        out["more than one query token"] = True
+    if q == 1 and len(qs) > 1:
+        out["a single query token"] = True
+    if u > 0 and any(x == 0 for x in qs[:u]):
+        out["an empty request/segment before them"] = True
+    if isinstance(case, PrefillCase) and case.segments[u].context_len:
+        out["cached context"] = True
+    pool = pool_of(inputs)
+    if pool is not None and pool.table.pages_of(u).numel():
+        top = int(pool.table.pages_of(u).max())
+        for bits in (16, 15):
+            if top >= 1 << bits:
+                out[f"page ids up to {top} (past 2^{bits})"] = True
+                break
+    return out
+
+
+def _page_size(case: Case) -> int:
+    if isinstance(case, PrefillCase):
+        return case.paging.page_size if case.paging else 0
+    return case.page_size
+
+
+def _kv_attribution(case: Case, inputs: Inputs, bad: list[int], out: torch.Tensor, bound: float,
+                    nonfinite: torch.Tensor | None) -> str:
+    """Name the KV positions a failing request's output is explained by (dropped prefix
+    tail, or a poisoned tail read); '' when no candidate explains every probed request."""
+    if isinstance(case, SparseDecodeCase) or not bad:
+        return ""
+    cuts = request_bounds(inputs)
+    probed = bad[:MAX_KV_PROBES]
+    if nonfinite is not None:
+        tails = _poisoned_tail(case, inputs, probed, nonfinite, cuts)
+        if tails:
+            return tails
+    found = []
+    for u in probed:
+        hit = _explaining_prefix(case, inputs, u, out[cuts[u] : cuts[u + 1]], bound)
+        if hit is None:
+            return ""
+        found.append(hit)
+    return "; ".join(found)
+
+
+def _poisoned_tail(case: Case, inputs: Inputs, units: list[int], nonfinite: torch.Tensor,
+                   cuts: list[int]) -> str:
+    ps = _page_size(case)
+    lens = boundaries.kv_lengths(case)
+    if not ps or ps == 1:
+        return ""
+    parts = []
+    for u in units:
+        if not bool(nonfinite[cuts[u] : cuts[u + 1]].any()):
+            return ""
+        fill = lens[u] % ps
+        if not fill:
+            return ""
+        pool = pool_of(inputs)
+        last = int(pool.table.pages_of(u)[-1]) if pool is not None else -1
+        parts.append(f"{unit_name(case)} {u}: tokens {lens[u]}..{lens[u] - fill + ps - 1} past its "
+                     f"kv_len, the poisoned tail of its last page (page {last}, {fill}/{ps} used) "
+                     "were read")
+    return "; ".join(parts)
+
+
+def _candidate_prefixes(kv: int, page_size: int) -> list[int]:
+    """Prefix lengths a kernel that drops kv positions plausibly attends to."""
+    cands = set()
+    if page_size > 1:
+        pages = -(-kv // page_size)
+        cands |= {(pages - 1) * page_size + 1, (pages - 1) * page_size}
+    for m in boundaries.TILE_SIZES:
+        if kv > m:
+            cands |= {kv - m, (kv - 1) // m * m}
+    cands |= {n for n in boundaries.LONG_KV if n < kv}
+    cands |= {kv - 1}
+    return sorted(n for n in cands if 0 < n < kv)
+
+
+def _explaining_prefix(case: Case, inputs: Inputs, u: int, got: torch.Tensor,
+                       bound: float) -> str | None:
+    lens = boundaries.kv_lengths(case)
+    kv, ps = lens[u], _page_size(case)
+    if not torch.isfinite(got).all():
+        return None
+    q, k, v = _operands(case, inputs, u)
+    for n in _candidate_prefixes(kv, ps):
+        ref = attend(q, k.view(lambda x, n=n: x[:n]),
+                     v if isinstance(v, int) else v.view(lambda x, n=n: x[:n]),
+                     case.softmax_scale, getattr(case, "causal", True),
+                     getattr(case, "soft_cap", 0.0), dtype=torch.float32).out
+        g, o = ref.double(), got.double()
+        rel = (o - g).norm(dim=-1) / g.norm(dim=-1).clamp_min(1e-6)
+        if float(rel.max()) <= EXPLAINED_FRACTION * bound:
+            where = _page_words(case, inputs, u, n, kv, ps)
+            return (f"{unit_name(case)} {u} attends to tokens 0..{n - 1} only: tokens "
+                    f"{n}..{kv - 1} of its kv ({where}) are not attended")
+    return None
+
+
+def _page_words(case: Case, inputs: Inputs, u: int, n: int, kv: int, ps: int) -> str:
+    if not ps:
+        return f"the last {kv - n}"
+    pool = pool_of(inputs)
+    first_page, last_page = n // ps, (kv - 1) // ps
+    ids = pool.table.pages_of(u)[first_page : last_page + 1].tolist() if pool is not None else []
+    span = "the last page" if first_page == last_page == -(-kv // ps) - 1 else (
+        f"pages {first_page}..{last_page} of the request")
+    return f"{span}, page id{'s' if len(ids) > 1 else ''} {ranges(ids, 6)}"
+
+
+def _operands(case: Case, inputs: Inputs, u: int) -> tuple[Operand, Operand, Operand | int]:
+    """Request u's q, K, V as the exact golden reads them."""
+    cuts = request_bounds(inputs)
+    if isinstance(inputs, DecodeInputs):
+        q = Operand(inputs.q.stored, per_tensor(inputs.q.scale)).view(
+            lambda x: x[cuts[u] : cuts[u + 1]])
+        kv = Operand(inputs.pool.gather(u, dequant=False), per_tensor(inputs.pool.scale))
+        return q, kv, case.dims.kv_lora_rank
+    kc = inputs.cu_seqlens_k.tolist()
+    q = Operand(inputs.q.stored, per_tensor(inputs.q.scale)).view(
+        lambda x: x[cuts[u] : cuts[u + 1]])
+    if inputs.k_pool is not None and inputs.v_pool is not None:
+        return (q, Operand(inputs.k_pool.gather(u, dequant=False), per_tensor(inputs.k_pool.scale)),
+                Operand(inputs.v_pool.gather(u, dequant=False), per_tensor(inputs.v_pool.scale)))
+    k = Operand(inputs.k.stored, per_tensor(inputs.k.scale)).view(lambda x: x[kc[u] : kc[u + 1]])
+    v = Operand(inputs.v.stored, per_tensor(inputs.v.scale)).view(lambda x: x[kc[u] : kc[u + 1]])
+    return q, k, v
+
+
+__all__ = ["Diagnosis", "diagnose", "localise", "request_bounds", "shared_properties"]
