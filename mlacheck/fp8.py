@@ -137,6 +137,21 @@ def round_trip(x: torch.Tensor, name: str, policy: OverflowPolicy = "torch") -> 
     return quantize(x, name, 1.0, policy).float()
 
 
+INT_OF_WIDTH: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                                         8: torch.int64}
+
+
+def int_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype of the same width: bit-exact copies, fills and comparisons (fp8
+    has no index_copy / cat / repeat kernels on every device, and NaN != NaN)."""
+    return INT_OF_WIDTH[dtype.itemsize]
+
+
+def as_ints(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bits as integers of the same width (a view where `t` is contiguous)."""
+    return t.contiguous().view(int_dtype(t.dtype))
+
+
 def nan_fill_value(name: str) -> tuple[torch.dtype, int]:
     """(integer view dtype, bit pattern) that writes this format's NaN with one fill."""
     f = fmt(name)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mlacheck import fp8
 from mlacheck import tolerances as tol
 from mlacheck.backends.base import Output
 from mlacheck.golden.core import Result
@@ -156,8 +157,7 @@ def _check_determinism(inputs: Inputs, first: Output, repeats: Repeats,
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """An integer view of a float tensor: bitwise comparison, NaN payloads included."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return t.contiguous().view(ints[t.element_size()])
+    return fp8.as_ints(t)
 
 
 def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold: Result,

@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 from mlacheck import fp8
-from mlacheck.backends.base import Capability, Output, Range
+from mlacheck.backends.base import Capability, CaseRule, Output, Range
+from mlacheck.backends.toolkit import library_version, signature_problem
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
 from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
 
@@ -172,36 +173,6 @@ class AdapterError(RuntimeError):
 # --------------------------------------------------------------------------- signatures
 
 
-def signature_problem(function: Callable[..., Any], qualname: str,
-                      passed: Sequence[str]) -> str | None:
-    """Why calling `function` by keyword with exactly `passed` would fail (None: it fits).
-
-    A passed name the function lacks (renamed / removed), one it takes positionally only,
-    or a parameter it requires that the adapter does not pass (a new required argument).
-    A function whose signature cannot be inspected is accepted (nothing to check).
-    """
-    try:
-        sig = inspect.signature(function)
-    except (TypeError, ValueError):
-        return None
-    params = sig.parameters
-    takes_any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    for name in passed:
-        p = params.get(name)
-        if p is None:
-            if takes_any_keyword:
-                continue
-            return f"{qualname} has no parameter {name!r} (renamed or removed)"
-        if p.kind is inspect.Parameter.POSITIONAL_ONLY:
-            return f"{qualname} takes {name!r} positionally only"
-    for name, p in params.items():
-        required = p.default is inspect.Parameter.empty and p.kind in (
-            inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        if required and name not in passed:
-            return f"{qualname} requires parameter {name!r}, which this adapter does not pass"
-    return None
-
-
 def _known_version_hint(problem: str) -> str:
     """A hint for the API generations we know (docs/aiter.md, 'Versions')."""
     if "mla_decode_fwd has no parameter 'page_size'" in problem or (
@@ -255,13 +226,6 @@ def _distribution_of(top_level: str) -> list[str]:
         return []
 
 
-def _version_of(module: ModuleType | None, distributions: Sequence[str]) -> str:
-    for dist in distributions:
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            return f"{dist} {importlib.metadata.version(dist)}"
-    return str(getattr(module, "__version__", "unknown version"))
-
-
 def load_api(module_name: str) -> AiterApi | str:
     """Import the API module and probe it; a one-line reason string when it is unusable."""
     top = module_name.partition(".")[0]
@@ -279,7 +243,7 @@ def load_api(module_name: str) -> AiterApi | str:
         return f"{module_name} failed to import: {type(e).__name__}: {e}"[:300]
     except Exception as e:  # aiter raises RuntimeError without ROCm ("ROCm version file ...")
         first = str(e).splitlines()[0] if str(e) else ""
-        installed = f" ({_version_of(None, dists)})" if dists else ""
+        installed = f" ({library_version(dists)})" if dists else ""
         return f"{module_name}{installed} failed to import: {type(e).__name__}: {first}"[:300]
     try:
         mla = importlib.import_module(f"{module_name}.mla")
@@ -305,7 +269,7 @@ def load_api(module_name: str) -> AiterApi | str:
         return (f"{module_name}.dtypes.fp8 is {fp8_dtype} but {gfx} computes in {chip_format}: "
                 "inconsistent chip detection (GPU_ARCHS?)")
     api = AiterApi(module, mla, gfx, fp8_dtype, chip_format, cu_num,
-                   _version_of(module, dists or [top]))
+                   library_version(dists or [top], module))
     for qualname, passed in CALLED_PARAMETERS.items():
         try:
             fn = api.function(qualname)
@@ -338,8 +302,7 @@ def pinned_environment(settings: Mapping[str, str]) -> Iterator[None]:
 
 def _bits_view(t: torch.Tensor) -> torch.Tensor:
     """An integer view of the same width (fp8 has no cat / repeat kernels on every device)."""
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
-    return t.view(bits)
+    return t.view(fp8.int_dtype(t.dtype))
 
 
 @dataclass(frozen=True)
@@ -400,36 +363,6 @@ def head_padding(heads: int, targets: Collection[int] | None = None) -> HeadPadd
 
 
 # --------------------------------------------------------------------------- capabilities
-
-CaseRule = Callable[[Case], "str | None"]
-
-
-@dataclass(frozen=True)
-class AiterCapability(Capability):
-    """Capability plus what AITER needs beyond independent fields: a refusal (the op cannot
-    run here at all, e.g. gfx942 FP8 prefill or an incompatible API), allowed (q, kv) format
-    pairs, and extra per-case rules."""
-
-    refusal: str | None = None
-    format_pairs: Collection[tuple[str, str]] | None = None
-    rules: tuple[CaseRule, ...] = ()
-
-    def why_not(self, case: Case, device: str) -> str | None:
-        if self.refusal:
-            return self.refusal
-        why = super().why_not(case, device)
-        if why:
-            return why
-        pair = (case.quant.q, case.quant.kv)
-        if self.format_pairs is not None and pair not in self.format_pairs:
-            allowed = ", ".join(f"{q}/{kv}" for q, kv in sorted(self.format_pairs))
-            return f"q/kv formats {pair[0]}/{pair[1]} not in {{{allowed}}}"
-        for rule in self.rules:
-            why = rule(case)
-            if why:
-                return why
-        return None
-
 
 def _nonpersistent_fp8_heads(case: Case) -> str | None:
     """fp8 non-persistent kernels exist for 16 and 128 heads: pad up to 16, never 8x to 128."""
@@ -555,6 +488,10 @@ class AiterAdapter:
         self.metadata_buffers: dict[str, MetadataBuffers] = {}
         self._loaded: AiterApi | str | None = None
 
+    def version(self) -> str:
+        api = self._load()
+        return api if isinstance(api, str) else api.version
+
     # -- contract
     def unavailable(self) -> str | None:
         """Why this backend cannot run here: the module cannot be imported or probed, or the
@@ -570,7 +507,7 @@ class AiterAdapter:
     def capabilities(self) -> dict[str, Capability]:
         api = self._load()
         if isinstance(api, str):
-            return {op: AiterCapability(refusal=api) for op in OP_FUNCTIONS}
+            return {op: Capability(refusal=api) for op in OP_FUNCTIONS}
         chip_fp8 = api.fp8_format
         fp8_pair = (chip_fp8, chip_fp8)
         decode_pairs = {("bf16", "bf16"), fp8_pair}
@@ -589,15 +526,15 @@ class AiterAdapter:
         decode_refusal = (api.op_problem("mla_decode") if self.persistent
                           else api.problems.get("mla.mla_decode_fwd"))
         caps: dict[str, Capability] = {
-            "mla_decode": AiterCapability(
+            "mla_decode": Capability(
                 **decode_common, page_sizes=PAGE_SIZES_POW2, rules=decode_rules,
                 refusal=decode_refusal,
                 notes=f"{path} decode; heads padded to 16 (vLLM-style repeat for divisors of "
                       "16, zero heads otherwise); LSE only where the chip has an LSE kernel"),
-            "mla_sparse_decode": AiterCapability(
+            "mla_sparse_decode": Capability(
                 **decode_common, rules=decode_rules, refusal=decode_refusal,
                 notes=f"{path} sparse decode over a page-size-1 view of the pool (global slots)"),
-            "paged_prefill": AiterCapability(
+            "paged_prefill": Capability(
                 q_formats=("bf16", "fp16", chip_fp8), kv_formats=("bf16", "fp16", chip_fp8),
                 format_pairs=frozenset({("bf16", "bf16"), ("fp16", "fp16"), fp8_pair}),
                 scale_policies=("unit", "amax"), layouts=("linear", "vectorized"),
@@ -608,7 +545,7 @@ class AiterAdapter:
         if api.gfx == "gfx942":
             prefill_refusal = ("AITER refuses FP8 persistent MLA prefill on gfx942 "
                                "(asm_mla.cu: 'not supported on gfx942'); gfx950 only")
-        caps["mla_prefill"] = AiterCapability(
+        caps["mla_prefill"] = Capability(
             q_formats=(chip_fp8,), kv_formats=(chip_fp8,), scale_policies=("unit", "amax"),
             head_counts=PREFILL_PS_HEADS, devices=self.devices, refusal=prefill_refusal,
             notes="FP8 ASM persistent-scheduling prefill (mla_prefill_ps_fwd), gfx950; "

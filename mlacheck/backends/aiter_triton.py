@@ -30,13 +30,12 @@ import argparse
 import importlib
 import importlib.metadata
 import importlib.util
-import inspect
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -45,7 +44,8 @@ from typing import Any
 import torch
 
 from mlacheck.backends import aiter_triton_compat as compat
-from mlacheck.backends.base import Capability, Output, Range
+from mlacheck.backends.base import Capability, CaseRule, Output, Range
+from mlacheck.backends.toolkit import signature_problem
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
 from mlacheck.kvcache import PageTable
 from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
@@ -132,64 +132,27 @@ H100_SMS = 132
 # --------------------------------------------------------------------------- capability
 
 
-@dataclass(frozen=True)
-class TritonCapability(Capability):
-    """Capability plus the rules the base fields cannot say."""
+def fp8_q_needs_page(min_page: int) -> CaseRule:
+    """Off ROCm, the FP8 x FP8 tl.dot over the page (P x V in mla_decode_fwd) needs K >= 32."""
 
-    format_pairs: Collection[tuple[str, str]] | None = None
-    heads_multiple_of: int = 1
-    uniform_q_len: bool = False
-    sparse_rows_nonempty: bool = False
-    fp8_q_min_page: int = 0
-    refusal: str | None = None
-
-    def why_not(self, case: Case, device: str) -> str | None:
-        if self.refusal:
-            return self.refusal
-        why = super().why_not(case, device)
-        if why:
-            return why
-        q = case.quant
-        if self.format_pairs is not None and (q.q, q.kv) not in self.format_pairs:
-            pairs = ", ".join(f"{a}/{b}" for a, b in sorted(self.format_pairs))
-            return f"q/kv formats {q.q}/{q.kv} not in {{{pairs}}}"
-        if self.heads_multiple_of > 1 and case.num_heads % self.heads_multiple_of:
-            return f"{case.num_heads} heads not a multiple of {self.heads_multiple_of}"
-        if (self.uniform_q_len and isinstance(case, DecodeCase | SparseDecodeCase)
-                and len({r.q_len for r in case.requests}) > 1):
-            return "mixed q_len in one batch (the kernel assumes one num_tokens_per_seq)"
-        if (self.fp8_q_min_page and _is_fp8(q.q) and isinstance(case, DecodeCase)
-                and case.page_size < self.fp8_q_min_page):
+    def rule(case: Case) -> str | None:
+        if (_is_fp8(case.quant.q) and isinstance(case, DecodeCase)
+                and case.page_size < min_page):
             return (f"page size {case.page_size} with FP8 q: the FP8 tl.dot over the page "
-                    f"needs K >= {self.fp8_q_min_page} on this target")
-        if (self.sparse_rows_nonempty and isinstance(case, SparseDecodeCase)
-                and case.valid_cap == 0):
-            return ("rows with no valid top-k index (AITER: output NaN when all topk indices "
-                    "are -1)")
+                    f"needs K >= {min_page} on this target")
         return None
+
+    return rule
+
+
+def sparse_rows_nonempty(case: Case) -> str | None:
+    """AITER's sparse kernel gives NaN for a row whose top-k indices are all -1."""
+    if isinstance(case, SparseDecodeCase) and case.valid_cap == 0:
+        return "rows with no valid top-k index (AITER: output NaN when all topk indices are -1)"
+    return None
 
 
 # --------------------------------------------------------------------------- pure helpers
-
-
-def signature_problem(name: str, fn: Callable[..., Any], passed: Collection[str]) -> str | None:
-    """None when `fn` accepts exactly what we pass (by keyword), else a one-line reason."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError) as e:
-        return f"cannot inspect {name}: {e}"
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        unknown: list[str] = []
-    else:
-        unknown = [p for p in passed if p not in params]
-    required = [n for n, p in params.items()
-                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                and n not in passed]
-    if unknown:
-        return f"installed {name} has no parameter(s) {', '.join(unknown)} (API changed)"
-    if required:
-        return f"installed {name} requires parameter(s) {', '.join(required)} (API changed)"
-    return None
 
 
 def topk_to_global_slots(topk: torch.Tensor, qo_indptr: torch.Tensor,
@@ -387,11 +350,11 @@ def load() -> Loaded | str:
         if fn is None:
             loaded.problems[op] = f"installed aiter {loaded.version} has no {key}"
             continue
-        why = signature_problem(key, fn, CALLED_PARAMETERS[key])
+        why = signature_problem(fn, key, CALLED_PARAMETERS[key])
         if why:
             loaded.problems[op] = why
     if "mla_prefill" not in loaded.problems:
-        why = signature_problem("interface_v3.fwd", loaded.modules["fa3"].fwd,
+        why = signature_problem(loaded.modules["fa3"].fwd, "interface_v3.fwd",
                                 CALLED_PARAMETERS["interface_v3.fwd"])
         if why:
             loaded.problems["mla_prefill"] = why
@@ -415,6 +378,10 @@ class AiterTritonBackend:
         self.decode_lse = decode_lse
         self.compat_layer = compat_layer
 
+    def version(self) -> str:
+        got = load()
+        return got if isinstance(got, str) else f"aiter {got.version}"
+
     # -- contract
     def unavailable(self) -> str | None:
         got = load()
@@ -429,7 +396,7 @@ class AiterTritonBackend:
         got = load()
         ops = self._ops()
         if isinstance(got, str):
-            return {op: TritonCapability(refusal=got) for op in ops}
+            return {op: Capability(refusal=got) for op in ops}
         amd, interp = compat.on_rocm(), compat.interpreting()
         devices: tuple[str, ...] = ("cuda",) if torch.cuda.is_available() or _COMPILE_ONLY else ()
         if interp:
@@ -445,23 +412,24 @@ class AiterTritonBackend:
         fp8_min_page = 0 if amd or interp else NVIDIA_FP8_Q_MIN_PAGE
         if "mla_decode" in ops and self.decode_entry == "mla_decode_fwd":
             pairs = same | ({("bf16", fp8[0])} if fp8 else set())
-            caps["mla_decode"] = TritonCapability(
+            caps["mla_decode"] = Capability(
                 q_formats=base + fp8, kv_formats=base + fp8, format_pairs=frozenset(pairs),
-                scale_policies=("unit", "amax"), page_sizes=pages, fp8_q_min_page=fp8_min_page,
+                scale_policies=("unit", "amax"), page_sizes=pages,
+                rules=(fp8_q_needs_page(fp8_min_page),) if fp8_min_page else (),
                 head_counts=Range(1, 128), q_len=Range(1, None), uniform_q_len=True,
                 causal=(True,), devices=devices, refusal=problems.get("mla_decode"),
                 notes="mla_decode_fwd (vLLM block table); page size = tile (tl.dot needs >= 16); "
                       "uniform q_len (MTP); causal bottom-right; LSE from a skip_reduce launch."
                       + fp8_note)
         if "mla_decode" in ops and self.decode_entry == "grouped_rope":
-            caps["mla_decode"] = TritonCapability(
+            caps["mla_decode"] = Capability(
                 q_formats=base, kv_formats=base, format_pairs=frozenset({(f, f) for f in base}),
                 page_sizes=None, head_counts=Range(1, 128), q_len=Range(1, 1), causal=(True,),
                 devices=devices, refusal=problems.get("mla_decode_rope"),
                 notes="decode_attention_fwd_grouped_rope on token slots (any page size), "
                       f"q_len 1, no FP8 scales, {ROPE_KV_SPLITS} kv splits, LSE from the splits")
         if "mla_prefill" in ops:
-            caps["mla_prefill"] = TritonCapability(
+            caps["mla_prefill"] = Capability(
                 q_formats=base + fp8, kv_formats=base + fp8, format_pairs=frozenset(same),
                 scale_policies=("unit", "amax"), causal=(True, False), lse=True, soft_cap=False,
                 devices=("cuda",) if torch.cuda.is_available() or _COMPILE_ONLY else (),
@@ -471,10 +439,10 @@ class AiterTritonBackend:
                       "expanded to [B, H]; LSE from a second launch of interface_v3.fwd; "
                       "GPU only (AITER asserts q.is_cuda)." + fp8_note.split(";")[0])
         if "mla_sparse_decode" in ops:
-            caps["mla_sparse_decode"] = TritonCapability(
+            caps["mla_sparse_decode"] = Capability(
                 q_formats=base, kv_formats=base, format_pairs=frozenset({(f, f) for f in base}),
                 page_sizes=pages, head_counts=Range(16, 128), heads_multiple_of=16, lse=False,
-                q_len=Range(1, None), causal=(True,), sparse_rows_nonempty=True,
+                q_len=Range(1, None), causal=(True,), rules=(sparse_rows_nonempty,),
                 devices=devices, refusal=problems.get("mla_sparse_decode"),
                 notes="unified_attention_sparse_mla; topk = global slots (page*ps+offset) "
                       "converted from logical positions; heads multiple of 16 (BLOCK_M 16); "

@@ -9,7 +9,7 @@ out [T, H, Dv], LSE [T, H] in natural log (or None), in the order of the case's 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -33,6 +33,9 @@ class Range:
 
 ANY = None  # a capability field left as ANY accepts every value
 
+# A per-case rule no single field can say: None when the case is fine, else the reason.
+CaseRule = Callable[[Case], "str | None"]
+
 
 @dataclass(frozen=True)
 class Capability:
@@ -55,10 +58,21 @@ class Capability:
     # Empty requests / segments (q_len 0: repeated qo_indptr / cu_seqlens entries, as padded
     # batch slots give). Off unless the implementation is known to skip them correctly.
     empty_requests: bool = False
+    # The op cannot run here at all (an API that does not fit, a chip without the kernel):
+    # the reason, given for every case.
+    refusal: str | None = None
+    # (q, kv) format combinations the kernels exist for (ANY: every q x kv format allowed).
+    format_pairs: Collection[tuple[str, str]] | None = ANY
+    heads_multiple_of: int = 1
+    # Every request of a batch must have the same q_len (kernels that reshape q by q_len).
+    uniform_q_len: bool = False
+    rules: tuple[CaseRule, ...] = ()
     notes: str = ""
 
     def why_not(self, case: Case, device: str) -> str | None:
         """None if supported, else a one-line reason naming the capability."""
+        if self.refusal:
+            return self.refusal
         dev = torch.device(device).type
         if dev not in self.devices:
             return f"device {dev} not supported (devices: {', '.join(self.devices)})"
@@ -66,6 +80,10 @@ class Capability:
         checks: list[tuple[bool, str]] = [
             (_ok(q.q, self.q_formats), f"q format {q.q} not in {_fmt(self.q_formats)}"),
             (_ok(q.kv, self.kv_formats), f"kv format {q.kv} not in {_fmt(self.kv_formats)}"),
+            (_ok((q.q, q.kv), self.format_pairs),
+             f"q/kv formats {q.q}/{q.kv} not in {_fmt(self.format_pairs)}"),
+            (case.num_heads % self.heads_multiple_of == 0,
+             f"{case.num_heads} heads not a multiple of {self.heads_multiple_of}"),
             (not q.is_fp8 or _ok(q.scale, self.scale_policies),
              f"fp8 scale policy {q.scale} not in {_fmt(self.scale_policies)}"),
             (not q.per_token or self.per_token_scales, "per-token scales not supported"),
@@ -100,6 +118,8 @@ class Capability:
                  f"q_len {case.max_q_len} outside {self.q_len}"),
                 (self.max_batch is None or len(case.requests) <= self.max_batch,
                  f"batch {len(case.requests)} > max batch {self.max_batch}"),
+                (not self.uniform_q_len or len({r.q_len for r in case.requests if r.q_len}) <= 1,
+                 "mixed q_len in one batch (the kernel takes one q_len per batch)"),
             ]
             if isinstance(case, SparseDecodeCase):
                 checks.append((self.max_topk is None or case.topk <= self.max_topk,
@@ -107,6 +127,10 @@ class Capability:
         for ok, reason in checks:
             if not ok:
                 return reason
+        for rule in self.rules:
+            why = rule(case)
+            if why:
+                return why
         return None
 
 
@@ -119,7 +143,8 @@ def _fmt(allowed: Collection[Any] | Range | None) -> str:
         return "any"
     if isinstance(allowed, Range):
         return str(allowed)
-    return "{" + ", ".join(str(a) for a in sorted(allowed, key=str)) + "}"
+    return "{" + ", ".join("/".join(a) if isinstance(a, tuple) else str(a)
+                           for a in sorted(allowed, key=str)) + "}"
 
 
 @dataclass

@@ -141,7 +141,7 @@ class PagedLatentCache:
             device=self.device,
         )
         stored = fp8.quantize(lat.float(), self.fmt, self.scales[layer])
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[stored.element_size()]
+        bits = fp8.int_dtype(stored.dtype)
         pool.data.view(bits).view(-1, self.latent).index_copy_(0, slots, stored.view(bits))
         idx_r = torch.tensor(list(rows), device=self.device)
         idx_p = torch.tensor(list(positions), device=self.device)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from mlacheck import fp8
 from mlacheck.backends.aiter_model._common import (
     as_chip_values,
     cdiv,
@@ -207,7 +208,7 @@ def gather_tokens(buffer: torch.Tensor, pages: torch.Tensor, count: int) -> torc
     if bool(bad.any()):
         raise RuntimeError(f"AITER model: kv index {int(pages[bad][0])} is outside the "
                            f"{n_pages}-page buffer (the kernel would read out of bounds)")
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[buffer.element_size()]
+    bits = fp8.int_dtype(buffer.dtype)
     sel = buffer.view(bits).index_select(0, pages.clamp(min=0).to(buffer.device).long())
     return sel.view(buffer.dtype).reshape(-1, *buffer.shape[2:])[:count]
 

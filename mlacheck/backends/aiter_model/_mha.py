@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from mlacheck import fp8
 from mlacheck.backends.aiter_model._common import (
     as_chip_values,
     check,
@@ -222,7 +223,7 @@ def _page_table(batch: int, page_size: int, kv_indptr: torch.Tensor,
 
 def _tokens(pool: torch.Tensor, kind: str, pages: torch.Tensor, count: int) -> torch.Tensor:
     """fp32 values [count, H_kv, D] of `pages` of a K or V pool in any of the three layouts."""
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[pool.element_size()]
+    bits = fp8.int_dtype(pool.dtype)
     sel = pool.view(bits).index_select(0, pages.to(pool.device)).view(pool.dtype)
     if sel.dim() == 5 and kind == "k":  # [P, H, D/vec, ps, vec] -> [P, ps, H, D]
         sel = sel.permute(0, 3, 1, 2, 4).flatten(3)

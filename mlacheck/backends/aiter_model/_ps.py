@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from mlacheck import fp8
 from mlacheck.backends.aiter_model._common import (
     as_chip_values,
     cdiv,
@@ -328,6 +329,6 @@ def _select(t: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     if bool(((pages < 0) | (pages >= n)).any()):
         raise RuntimeError(f"AITER model: a kv page index is outside the {n}-page K/V "
                            "(the kernel would read out of bounds)")
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
+    bits = fp8.int_dtype(t.dtype)
     return t.view(bits).index_select(0, pages.to(t.device)).view(t.dtype)
 

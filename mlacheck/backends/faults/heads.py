@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mlacheck import fp8
 from mlacheck.backends.aiter import AiterApi, HeadPadding
 from mlacheck.backends.faults._base import AdapterFault, adapter
 from mlacheck.spec import DecodeCase, SparseDecodeCase
@@ -31,7 +32,7 @@ class FloorDivisionPadding(HeadPadding):
     """Pad with repeat_interleave(16 // H), unpad with [:, ::16 // H]."""
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        bits = x.contiguous().view({1: torch.uint8, 2: torch.int16}[x.element_size()])
+        bits = fp8.as_ints(x)
         return bits.repeat_interleave(MIN_HEADS // self.heads, dim=1).view(x.dtype).contiguous()
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:

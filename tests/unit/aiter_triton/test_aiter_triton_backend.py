@@ -16,6 +16,7 @@ import torch
 from mlacheck.backends import aiter_triton as at
 from mlacheck.backends.base import skip_reason
 from mlacheck.backends.registry import BUILTIN, resolve
+from mlacheck.backends.toolkit import signature_problem
 from mlacheck.harness import RunOptions, run_case
 from mlacheck.kvcache import PageTable
 from mlacheck.spec import DecodeCase, PrefillCase, Quant, Request, Segment, SparseDecodeCase
@@ -153,37 +154,39 @@ def _head_decode(q, kv_buffer, out, cu_seqlens_q, seqused_k, max_seqlen_kv, bloc
 def test_signature_check_accepts_head_and_names_changes() -> None:
     key = "mla.mla_decode_fwd"
     passed = at.CALLED_PARAMETERS[key]
-    assert at.signature_problem(key, _head_decode, passed) is None
+    assert signature_problem(_head_decode, key, passed) is None
 
     def renamed(q, kv_buffer, o, cu_seqlens_q, seqused_k, max_seqlen_kv, block_tables,  # noqa: ANN001, ANN202
                 softmax_scale, kv_lora_rank, qk_rope_head_dim, causal, q_descale, kv_descale,
                 skip_reduce=False):
         raise NotImplementedError
 
-    why = at.signature_problem(key, renamed, passed)
-    assert why == f"installed {key} has no parameter(s) out (API changed)"
+    why = signature_problem(renamed, key, passed)
+    assert why == f"{key} has no parameter 'out' (renamed or removed)"
 
     def new_required(q, kv_buffer, out, cu_seqlens_q, seqused_k, max_seqlen_kv, block_tables,  # noqa: ANN001, ANN202
                      softmax_scale, kv_lora_rank, qk_rope_head_dim, causal, q_descale,
                      kv_descale, page_size, skip_reduce=False):
         raise NotImplementedError
 
-    why = at.signature_problem(key, new_required, passed)
-    assert why == f"installed {key} requires parameter(s) page_size (API changed)"
+    why = signature_problem(new_required, key, passed)
+    assert why == f"{key} requires parameter 'page_size', which this adapter does not pass"
 
     def kwargs_only(**kw):  # noqa: ANN003, ANN202
         raise NotImplementedError
 
-    assert at.signature_problem(key, kwargs_only, passed) is None
+    assert signature_problem(kwargs_only, key, passed) is None
 
 
 # --------------------------------------------------------------------------- capabilities
 
 
 def test_capability_rules() -> None:
-    cap = at.TritonCapability(format_pairs=frozenset({("bf16", "bf16"), ("bf16", "fp8_e4m3fn")}),
-                              heads_multiple_of=16, uniform_q_len=True,
-                              sparse_rows_nonempty=True, devices=("cuda",))
+    from mlacheck.backends.base import Capability
+
+    cap = Capability(format_pairs=frozenset({("bf16", "bf16"), ("bf16", "fp8_e4m3fn")}),
+                     heads_multiple_of=16, uniform_q_len=True,
+                     rules=(at.sparse_rows_nonempty,), devices=("cuda",))
     ok = DecodeCase((Request(2, 64), Request(2, 80)))
     assert cap.why_not(ok, "cuda") is None
     assert cap.why_not(ok, "cpu") == "device cpu not supported (devices: cuda)"
@@ -196,7 +199,7 @@ def test_capability_rules() -> None:
     empty = SparseDecodeCase((Request(1, 100),), topk=64, valid_cap=0)
     assert "no valid top-k index" in (cap.why_not(empty, "cuda") or "")
     assert cap.why_not(SparseDecodeCase((Request(1, 100),), topk=64), "cuda") is None
-    refused = at.TritonCapability(refusal="installed aiter lacks x")
+    refused = Capability(refusal="installed aiter lacks x")
     assert refused.why_not(ok, "cuda") == "installed aiter lacks x"
 
 

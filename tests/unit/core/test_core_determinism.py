@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlacheck import inputs, kvcache, spec
+from mlacheck import fp8, inputs, kvcache, spec
 from mlacheck.spec import (
     NO_YARN,
     DecodeCase,
@@ -43,8 +43,7 @@ CASES = {
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
-        t.element_size()])
+    return fp8.as_ints(t)
 
 
 def _tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -8,8 +8,8 @@ import re
 import pytest
 
 from mlacheck import harness, known
-from mlacheck.backends.aiter_triton import NVIDIA_FP8_Q_MIN_PAGE, NVIDIA_PAGES, TritonCapability
-from mlacheck.backends.base import Range
+from mlacheck.backends.aiter_triton import NVIDIA_FP8_Q_MIN_PAGE, NVIDIA_PAGES, fp8_q_needs_page
+from mlacheck.backends.base import Capability, Range
 from mlacheck.backends.registry import resolve
 from mlacheck.matrices import load, names
 from mlacheck.spec import OPS, DecodeCase
@@ -74,14 +74,14 @@ def test_every_rule_matches_a_case_of_some_matrix(rule) -> None:  # noqa: ANN001
     assert any(rule.matches(rule.backends[0], mc.case) for m in names() for mc in load(m).cases)
 
 
-def _h100_triton_decode() -> TritonCapability:
+def _h100_triton_decode() -> Capability:
     """aiter-triton's mla_decode capability on the H100 (NVIDIA, Triton 3.6), as measured."""
     fmts = ("bf16", "fp16", "fp8_e4m3fn")
     pairs = {(f, f) for f in fmts} | {("bf16", "fp8_e4m3fn")}
-    return TritonCapability(q_formats=fmts, kv_formats=fmts, format_pairs=frozenset(pairs),
-                            scale_policies=("unit", "amax"), page_sizes=NVIDIA_PAGES,
-                            fp8_q_min_page=NVIDIA_FP8_Q_MIN_PAGE, head_counts=Range(1, 128),
-                            uniform_q_len=True, causal=(True,), devices=("cuda",))
+    return Capability(q_formats=fmts, kv_formats=fmts, format_pairs=frozenset(pairs),
+                      scale_policies=("unit", "amax"), page_sizes=NVIDIA_PAGES,
+                      rules=(fp8_q_needs_page(NVIDIA_FP8_Q_MIN_PAGE),), head_counts=Range(1, 128),
+                      uniform_q_len=True, causal=(True,), devices=("cuda",))
 
 
 def test_finding_1_rule_selects_exactly_the_cases_that_failed_on_the_h100() -> None:

@@ -1,0 +1,142 @@
+"""What every adapter of a vendor's MLA kernels needs, written once.
+
+An adapter (mlacheck/backends/aiter, aiter_triton, flashinfer, flashmla) imports an optional
+library, checks that the installed functions take the keywords it passes, converts the
+library's LSE convention and layout to mlacheck's (natural log, [tokens, heads]) and says
+which version it ran. Capabilities are data on backends.base.Capability.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import inspect
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+LN2 = math.log(2.0)
+
+
+def signature_problem(function: Callable[..., Any], qualname: str,
+                      passed: Sequence[str]) -> str | None:
+    """Why calling `function` by keyword with exactly `passed` would fail (None: it fits).
+
+    A passed name the function lacks (renamed / removed), one it takes positionally only,
+    or a parameter it requires that the adapter does not pass (a new required argument).
+    A function whose signature cannot be inspected is accepted (nothing to check).
+    """
+    try:
+        sig = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+    params = sig.parameters
+    takes_any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for name in passed:
+        p = params.get(name)
+        if p is None:
+            if takes_any_keyword:
+                continue
+            return f"{qualname} has no parameter {name!r} (renamed or removed)"
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY:
+            return f"{qualname} takes {name!r} positionally only"
+    for i, (name, p) in enumerate(params.items()):
+        if i == 0 and name in ("self", "cls"):  # a method looked up on its class
+            continue
+        required = p.default is inspect.Parameter.empty and p.kind in (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        if required and name not in passed:
+            return f"{qualname} requires parameter {name!r}, which this adapter does not pass"
+    return None
+
+
+def lse_natural(lse: torch.Tensor, base: float = math.e) -> torch.Tensor:
+    """An LSE in `base` (2 for FlashInfer's default) as the natural-log LSE, fp32."""
+    lse = lse.float()
+    return lse if base == math.e else lse * math.log(base)
+
+
+def lse_tokens_heads(lse: torch.Tensor, total_q: int, heads: int) -> torch.Tensor:
+    """[T, H] from the layouts libraries use: [T, H], [H, T], [T, 1, H, 1] or [B, H, S]
+    with B * S == T (read as written: tokens of batch b are rows b*S .. b*S+S-1)."""
+    if tuple(lse.shape) == (total_q, heads):
+        return lse
+    if tuple(lse.shape) == (heads, total_q):
+        return lse.transpose(0, 1)
+    if lse.dim() == 3 and lse.shape[1] == heads and lse.shape[0] * lse.shape[2] == total_q:
+        return lse.transpose(1, 2).reshape(total_q, heads)
+    if lse.numel() == total_q * heads:
+        return lse.reshape(total_q, heads)
+    raise ValueError(f"LSE of shape {tuple(lse.shape)} is not [{total_q} tokens, {heads} heads]")
+
+
+def library_version(distributions: Sequence[str], module: ModuleType | None = None) -> str:
+    """'dist version' of the first installed distribution, else the module's __version__."""
+    for dist in distributions:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return f"{dist} {importlib.metadata.version(dist)}"
+    return str(getattr(module, "__version__", "unknown version"))
+
+
+@dataclass
+class Loaded:
+    """An imported library, its version and what is wrong with the functions the adapter calls."""
+
+    module: ModuleType
+    version: str
+    problems: dict[str, str] = field(default_factory=dict)  # function -> signature problem
+
+    def function(self, qualname: str) -> Any:
+        obj: Any = self.module
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def first_problem(self, functions: Iterable[str]) -> str | None:
+        return next((self.problems[f] for f in functions if f in self.problems), None)
+
+
+def load_library(module: str, *, distributions: Sequence[str], install_hint: str,
+                 called: Mapping[str, Sequence[str]], submodules: Sequence[str] = ()
+                 ) -> Loaded | str:
+    """Import `module` (and `submodules`), check every called function's signature.
+
+    Returns the Loaded library, or a one-line reason (a SKIP reason, never a traceback):
+    not installed, or failed to import (a broken build). `called` maps a dotted name under
+    the module to the keywords the adapter passes it.
+    """
+    try:
+        top = importlib.import_module(module)
+        for sub in submodules:
+            importlib.import_module(f"{module}.{sub}")
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] == module:
+            return f"{module} not installed ({install_hint})"
+        return f"{module} failed to import: {type(e).__name__}: {e}"[:300]
+    except Exception as e:  # noqa: BLE001 - a broken install is a one-line SKIP reason
+        return f"{module} failed to import: {type(e).__name__}: {e}"[:300]
+    loaded = Loaded(top, library_version(distributions, top))
+    for qualname, passed in called.items():
+        try:
+            fn = loaded.function(qualname)
+        except AttributeError:
+            loaded.problems[qualname] = f"{module} has no {qualname}"
+            continue
+        problem = signature_problem(fn, f"{module}.{qualname}", passed)
+        if problem:
+            loaded.problems[qualname] = problem
+    return loaded
+
+
+def cuda_refusal(library: str, sm_major: int | None = None, arch_reason: str = "") -> str | None:
+    """Why an NVIDIA library cannot run here (no CUDA GPU; the wrong SM generation), else None."""
+    if not torch.cuda.is_available():
+        return f"no CUDA GPU visible to torch ({library} runs on NVIDIA GPUs)"
+    if sm_major is not None and torch.cuda.get_device_capability()[0] != sm_major:
+        return arch_reason or f"{library} needs an sm_{sm_major}x GPU"
+    return None
