@@ -14,6 +14,7 @@ import json
 import time
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,7 +57,8 @@ def run_case(case: Case, backend: Backend, opts: RunOptions = RunOptions()) -> V
 
 
 def _run(case: Case, backend: Backend, opts: RunOptions) -> Verdict:
-    base = Verdict(case.id, backend.name, case.op, SKIP, case=json.loads(case.to_json()))
+    base = Verdict(case.id, backend.name, case.op, SKIP, case=json.loads(case.to_json()),
+                   implementation=_version_record(backend))
     why = skip_reason(backend, case, opts.device) or footprint.does_not_fit(case, opts.device)
     if why:
         base.reason = why
@@ -93,11 +95,51 @@ def _run(case: Case, backend: Backend, opts: RunOptions) -> Verdict:
     if repeats is not None:
         t["determinism"], clock = time.perf_counter() - clock, time.perf_counter()
     v = judge.verdict(case, inp, out, gold, baseline, ideal, backend.name, repeats)
+    v.implementation = {**base.implementation, **_reported(out.metadata)}
     if v.status == FAIL and v.metrics.get("axis") in judge.PROBED_AXES:
         judge.refine_diagnosis(v, inp, gold, _probe(case, backend, inp, opts))
     t["judge"] = time.perf_counter() - clock
     v.timings = t
     return v
+
+
+def _version_record(backend: Backend) -> dict[str, Any]:
+    """What ran, for every verdict (SKIPs included): the library's version where the
+    backend reports one, and torch's (the reference backends and models are torch code)."""
+    record: dict[str, Any] = {"torch": torch.__version__}
+    version = getattr(backend, "version", None)
+    if callable(version):
+        try:
+            record["version"] = str(version())
+        except Exception as e:  # noqa: BLE001 - a version lookup never decides a verdict
+            record["version"] = f"unknown ({type(e).__name__})"
+    return record
+
+
+# Metadata entries the judge consumes, not a description of the implementation.
+_JUDGED_METADATA = ("validation", "validation_note")
+
+
+def _reported(metadata: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-sized part of what a backend returned about its run: scalars, short lists
+    and dicts of them (tensors and schedule dumps are left out of the results file)."""
+
+    def small(x: Any, depth: int = 0) -> Any:
+        if x is None or isinstance(x, str | int | float | bool):
+            return x
+        if isinstance(x, list | tuple) and len(x) <= 16:
+            kept = [small(i, depth + 1) for i in x]
+            return kept if all(k is not _DROP for k in kept) else _DROP
+        if isinstance(x, dict) and depth < 3:
+            kept = {str(k): small(i, depth + 1) for k, i in x.items()}
+            return {k: i for k, i in kept.items() if i is not _DROP}
+        return _DROP
+
+    return {k: x for k, x in ((k, small(x)) for k, x in metadata.items()
+                              if k not in _JUDGED_METADATA) if x is not _DROP}
+
+
+_DROP = object()
 
 
 def _probe(case: Case, backend: Backend, inp: inputs_mod.Inputs, opts: RunOptions

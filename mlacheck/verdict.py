@@ -75,6 +75,10 @@ class Verdict:
     # a FAIL/CRASH is reported KNOWN, a PASS is XPASS (the rule is stale).
     known_failure: str = ""
     known_rule: str = ""
+    # What the implementation reported about itself (library version, kernel variant, how
+    # the adapter fed it: a repacked pool, per-q_len calls, ...): every verdict says which
+    # build of which kernel it is about.
+    implementation: dict[str, Any] = field(default_factory=dict)
     # The axis the failure lies along, in words (mlacheck.localise.diagnose): the first line
     # of the failure card.
     diagnosis: str = ""
