@@ -307,9 +307,24 @@ def build_pool(
         blk = blk.view(n_pages, *lin_shape)
         if layout == "vectorized":
             blk = to_vectorized_k(blk, vec) if kind == "k" else to_vectorized_v(blk, vec)
-        bits = _bits(f.dtype)  # index_copy_ has no fp8 kernels: copy the bit patterns
+        bits = fp8.int_dtype(f.dtype)  # index_copy_ has no fp8 kernels: copy the bit patterns
         data.view(bits).index_copy_(0, table.pages_of(r).to(device), blk.contiguous().view(bits))
     return KVPool(data, fmt_name, scale.to(device), table, layout, kind)
+
+
+def repaged(pool: KVPool, page_size: int, tail_poison: str, gen: torch.Generator) -> KVPool:
+    """The same stored tokens in a fresh shuffled pool of `page_size` pages, poisoned alike.
+
+    For kernels that take one page size only (FlashMLA: 64): they still read every case's
+    lengths, batch and poisoned tails, through a page table of their own page size.
+    """
+    values = [pool.gather(r, dequant=False) for r in range(pool.table.batch)]
+    h, d = pool.linear().shape[2:]
+    page_bytes = page_size * h * d * pool.data.element_size()
+    table, pool_pages = assign_pages(pool.table.kv_lens.tolist(), page_size, page_bytes,
+                                     Placement("shuffled", tail_poison=tail_poison), gen)
+    return build_pool(values, table, pool_pages, pool.fmt, pool.scale, pool.data.device,
+                      tail_poison=tail_poison)
 
 
 def free_pages(pool: KVPool) -> torch.Tensor:
@@ -341,7 +356,7 @@ class Guarded:
         for i in range(GUARD_ROWS):
             for name, row in (("before", i), ("after", self.full.shape[0] - GUARD_ROWS + i)):
                 got = self.full[row : row + 1]
-                same = got.view(_bits(got.dtype)) == expect.view(_bits(got.dtype))
+                same = got.view(fp8.int_dtype(got.dtype)) == expect.view(fp8.int_dtype(got.dtype))
                 if not bool(same.all()):
                     where = f"row {row - GUARD_ROWS}" if name == "before" else f"row {n + i}"
                     bad.append(
@@ -352,12 +367,10 @@ class Guarded:
 
 
 def _select_pages(data: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    bits = _bits(data.dtype)  # index_select has no fp8 kernels either
+    bits = fp8.int_dtype(data.dtype)  # index_select has no fp8 kernels either
     return data.view(bits).index_select(0, pages).view(data.dtype)
 
 
-def _bits(dtype: torch.dtype) -> torch.dtype:
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
 
 
 def guarded_empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> Guarded:

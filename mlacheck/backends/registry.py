@@ -26,6 +26,9 @@ BUILTIN: dict[str, str] = {
     "aiter-model-gfx942": "mlacheck.backends.aiter:model_gfx942_factory",
     "aiter-model-gfx950": "mlacheck.backends.aiter:model_gfx950_factory",
     "aiter-triton": "mlacheck.backends.aiter_triton:factory",
+    "flashinfer": "mlacheck.backends.flashinfer:factory",
+    "flashinfer-fa3": "mlacheck.backends.flashinfer:fa3_factory",
+    "flashmla": "mlacheck.backends.flashmla:factory",
 }
 
 # Used by `mlacheck run` when no backend is named: runs everywhere, CPU included. The AITER

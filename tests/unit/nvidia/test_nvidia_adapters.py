@@ -1,0 +1,118 @@
+"""The FlashMLA and FlashInfer adapters against executable fakes of the libraries (CPU).
+
+What runs here: argument plumbing (page tables, strided latent views, q reshapes, repacking
+to page 64, per-q_len calls, LSE base), capability declarations, signature checks, and
+that a planted library fault FAILs through the adapter. What does not: the real kernels
+(docs/gpu-results.md has the H100 runs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _nvidia_fakes import fake_flash_mla, fake_flashinfer, install, on_cpu  # noqa: I001  (test-local helper)
+
+from mlacheck.backends import flashinfer, flashmla
+from mlacheck.harness import RunOptions, run_case
+from mlacheck.inputs import build
+from mlacheck.kvcache import repaged
+from mlacheck.spec import DecodeCase, Placement, PrefillCase, Quant, Request, Segment
+
+BF16 = Quant("bf16", "bf16")
+
+DECODE_CASES = [
+    DecodeCase(requests=(Request(1, 70), Request(1, 129)), page_size=64, quant=BF16),
+    DecodeCase(requests=(Request(2, 33), Request(0, 40), Request(1, 1), Request(3, 100)),
+               page_size=16, quant=BF16, num_heads=8),
+    DecodeCase(requests=(Request(1, 5), Request(0, 0), Request(4, 9)), page_size=1,
+               quant=Quant("fp16", "fp16")),
+    DecodeCase(requests=(Request(1, 1030),), page_size=1024, quant=BF16,
+               placement=Placement("packed", tail_poison="sentinel")),
+]
+PREFILL_CASES = [
+    PrefillCase(segments=(Segment(20, 4), Segment(0, 3), Segment(7, 0)), quant=BF16),
+    PrefillCase(segments=(Segment(9, 30),), quant=BF16, causal=False),
+    PrefillCase(segments=(Segment(16, 0),), quant=Quant("fp16", "fp16"), soft_cap=30.0),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c.id)
+def test_flashmla_adapter_passes_against_a_faithful_fake(
+        monkeypatch: pytest.MonkeyPatch, case: DecodeCase) -> None:
+    install(monkeypatch, {"flash_mla": fake_flash_mla()})
+    v = run_case(case, on_cpu(flashmla.FlashMLABackend()), RunOptions("cpu"))
+    assert v.status == "PASS", v.reason
+    meta = v.implementation["flashmla"]
+    assert meta["repacked_from_page_size"] == (None if case.page_size == 64 else case.page_size)
+    assert meta["calls"] == len({r.q_len for r in case.requests if r.q_len})
+
+
+def test_flashmla_fault_reading_the_poisoned_tail_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, {"flash_mla": fake_flash_mla("reads-whole-last-page")})
+    for case in DECODE_CASES[:2]:  # page 64 as is, and page 16 repacked: both keep the poison
+        v = run_case(case, on_cpu(flashmla.FlashMLABackend()), RunOptions("cpu"))
+        assert v.status == "FAIL", (case.id, v.reason)
+
+
+def test_repaged_pool_holds_the_same_tokens_and_poisons_the_tail() -> None:
+    case = DECODE_CASES[1]
+    inputs = build(case)
+    pool = repaged(inputs.pool, 64, "nan", torch.Generator().manual_seed(1))
+    assert pool.table.page_size == 64
+    for r in range(pool.table.batch):
+        assert torch.equal(pool.gather(r, dequant=False).view(torch.int16),
+                           inputs.pool.gather(r, dequant=False).view(torch.int16))
+    last = pool.table.pages_of(3)[-1]
+    assert torch.isnan(pool.data[last, 100 % 64:].float()).all()
+
+
+@pytest.mark.parametrize("case", DECODE_CASES + PREFILL_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("kernel", ["fa2", "fa3"])
+def test_flashinfer_adapter_passes_against_a_faithful_fake(
+        monkeypatch: pytest.MonkeyPatch, case: DecodeCase | PrefillCase, kernel: str) -> None:
+    install(monkeypatch, fake_flashinfer())
+    v = run_case(case, on_cpu(flashinfer.FlashInferBackend(kernel)), RunOptions("cpu"))
+    assert v.status == "PASS", v.reason
+    assert v.implementation["flashinfer"]["kernel"] == kernel
+
+
+@pytest.mark.parametrize(("bug", "case"), [("lse-natural", DECODE_CASES[0]),
+                                           ("ignores-causal", PREFILL_CASES[0])])
+def test_flashinfer_planted_faults_fail(monkeypatch: pytest.MonkeyPatch, bug: str,
+                                       case: DecodeCase | PrefillCase) -> None:
+    install(monkeypatch, fake_flashinfer(bug))
+    v = run_case(case, on_cpu(flashinfer.FlashInferBackend()), RunOptions("cpu"))
+    assert v.status == "FAIL", v.reason
+
+
+def test_fp8_is_a_skip_that_names_the_format(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, {"flash_mla": fake_flash_mla(), **fake_flashinfer()})
+    case = DecodeCase(quant=Quant("fp8_e4m3fn", "fp8_e4m3fn"))
+    for backend in (flashmla.FlashMLABackend(), flashinfer.FlashInferBackend()):
+        reason = on_cpu(backend).capabilities()["mla_decode"].why_not(case, "cpu")
+        assert reason and "fp8_e4m3fn" in reason
+        v = run_case(case, on_cpu(backend), RunOptions("cpu"))  # a SKIP still says what was there
+        assert v.status == "SKIP" and "fp8_e4m3fn" in v.reason
+        assert "+fake" in v.implementation["version"] and v.implementation["torch"]
+
+
+def test_changed_signatures_refuse_the_op_with_the_missing_keyword(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    fmla = fake_flash_mla()
+    fmla.flash_mla_with_kvcache = lambda q, k_cache, block_table, seqlens: None
+    fi = fake_flashinfer()
+    fi["flashinfer.prefill"].BatchPrefillWithRaggedKVCacheWrapper.plan = (
+        lambda self, qo_indptr, kv_indptr: None)
+    install(monkeypatch, {"flash_mla": fmla, **fi})
+    mla_reason = flashmla.FlashMLABackend().capabilities()["mla_decode"].refusal
+    assert mla_reason and "cache_seqlens" in mla_reason
+    caps = flashinfer.FlashInferBackend().capabilities()
+    assert caps["mla_decode"].refusal is None
+    assert caps["mla_prefill"].refusal and "num_qo_heads" in caps["mla_prefill"].refusal
+
+
+def test_not_installed_is_a_one_line_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "flash_mla", None)
+    monkeypatch.setitem(__import__("sys").modules, "flashinfer", None)
+    assert "not installed" in flashmla.FlashMLABackend().unavailable()
+    assert "not installed" in flashinfer.FlashInferBackend().unavailable()
