@@ -92,8 +92,9 @@ def pick_scale(
         return torch.ones(shape, dtype=torch.float32, device=x.device)
     if policy != "amax":
         raise ValueError(f"unknown scale policy {policy!r}")
-    xf = x.detach().float().abs()
-    amax = xf.amax(dim=-1, keepdim=True) if per_token else xf.amax()
+    xf = x.detach().float()  # max |x| as max(max x, -min x): no |x| copy of a pool-sized x
+    lo, hi = xf.aminmax(dim=-1, keepdim=True) if per_token else xf.aminmax()
+    amax = torch.maximum(hi, -lo)
     scale = amax / f.max
     return torch.where(scale > 0, scale, torch.ones_like(scale)).to(torch.float32)
 
@@ -103,7 +104,9 @@ def quantize(
 ) -> torch.Tensor:
     """x / scale cast to the format, with an explicit overflow policy."""
     f = fmt(name)
-    y = x.float() / scale
+    unit = scale == 1 if isinstance(scale, float | int) else (
+        scale.dim() <= x.dim() and bool((scale == 1).all()))
+    y = x.float() if unit else x.float() / scale  # x / 1 == x: no pool-sized copy
     if policy == "saturate":
         y = y.clamp(-f.max, f.max)
     elif policy == "nan":

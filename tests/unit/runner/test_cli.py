@@ -181,3 +181,19 @@ def test_terminal_shows_progress_without_pytest_and_xdist_noise(tiny: Path, tmp_
     lines = [x for x in r.stdout.splitlines() if x.startswith("mlacheck: ") and " items (" in x]
     assert lines and "FAIL " in lines[-1] and lines[-1].split()[1].split("/")[0] == (
         lines[-1].split()[1].split("/")[1])  # the last line: all items done
+
+
+def test_default_workers_use_the_cores_the_memory_can_hold(monkeypatch) -> None:  # noqa: ANN001
+    from mlacheck import cli, pytest_plugin
+
+    monkeypatch.setattr(pytest_plugin, "gpu_count", lambda: 0)
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(cli, "_available_gib", lambda: 100.0)
+    assert cli._default_workers("cpu") == 8
+    monkeypatch.setattr(cli, "_available_gib", lambda: 2.5 * cli.CPU_WORKER_PEAK_GIB)
+    assert cli._default_workers("auto") == 2  # memory, not cores, is the limit
+    monkeypatch.setattr(cli, "_available_gib", lambda: 1.0)
+    assert cli._default_workers("cpu") == 1
+    monkeypatch.setattr(pytest_plugin, "gpu_count", lambda: 4)
+    assert cli._default_workers("cuda") == 4
+    assert cli._default_workers("cpu") == 1  # --device cpu ignores the GPUs

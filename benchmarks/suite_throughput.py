@@ -1,0 +1,136 @@
+"""Throughput of the suite itself: a matrix run end to end, and input construction alone.
+
+    python benchmarks/suite_throughput.py --matrix premerge --device cpu --repeats 3 [-n 2]
+    python benchmarks/suite_throughput.py --from nightly.jsonl        # a run already made
+    python benchmarks/suite_throughput.py --inputs --matrix nightly   # input builds only
+
+A run is `mlacheck run` in a subprocess (the way users run it); reported per repeat and as
+the median: wall time, items per second, peak resident memory of the largest process (the
+run's workers included), and from its results file the per-phase times summed over items
+(inputs, kernel, golden, baseline, judge, ...). `--inputs` times `inputs.build` for the
+matrix's largest cases (median of the repeats) in MB of stored inputs per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from mlacheck import footprint, inputs, results
+from mlacheck.matrices import load
+
+LARGEST_CASES = 3  # --inputs: how many of the matrix's largest cases are timed
+
+
+def phases(path: str | Path) -> dict[str, Any]:
+    """Items, statuses and per-phase seconds summed over the latest line of each item."""
+    records = results.latest_per_item(results.read_raw(path).records)
+    total: dict[str, float] = {}
+    statuses: dict[str, int] = {}
+    for rec in records:
+        statuses[rec["status"]] = statuses.get(rec["status"], 0) + 1
+        for k, v in (rec.get("timings") or {}).items():
+            total[k] = total.get(k, 0.0) + float(v)
+        total["wall"] = total.get("wall", 0.0) + float(rec.get("wall") or 0.0)
+    return {"items": len(records), "statuses": statuses,
+            "summed_s": {k: round(v, 1) for k, v in sorted(total.items())}}
+
+
+def run_once(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "mlacheck.cli", "run", "--matrix", args.matrix,
+           "--device", args.device, "--results", str(out / "results.jsonl"), "--no-report"]
+    for b in args.backend:
+        cmd += ["--backend", b]
+    if args.workers:
+        cmd += ["-n", str(args.workers)]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - t
+    # ru_maxrss of waited-for children: the largest single process of the run (KiB on Linux)
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / (1 << 20)
+    got = phases(out / "results.jsonl")
+    return {"exit": proc.returncode, "wall_s": round(wall, 1),
+            "items_per_s": round(got["items"] / wall, 2), "peak_process_gib": round(peak, 2),
+            **got}
+
+
+def input_rates(matrix: str, repeats: int, device: str) -> list[dict[str, Any]]:
+    cases = sorted((mc.case for mc in load(matrix).cases), key=_footprint, reverse=True)
+    rows = []
+    for case in cases[:LARGEST_CASES]:
+        times, size = [], 0
+        for _ in range(repeats):
+            t = time.perf_counter()
+            built = inputs.build(case, device)
+            times.append(time.perf_counter() - t)
+            size = _stored_bytes(built)
+            del built
+        med = statistics.median(times)
+        rows.append({"case": case.id, "stored_mb": round(size / 1e6, 1),
+                     "median_s": round(med, 2), "mb_per_s": round(size / 1e6 / med, 1)})
+    return rows
+
+
+def _footprint(case: Any) -> int:
+    est = footprint.estimate(case)
+    return est.inputs + est.pools
+
+
+def _stored_bytes(built: inputs.Inputs) -> int:
+    if isinstance(built, inputs.PrefillInputs):
+        ts = [built.q.stored, built.k.stored, built.v.stored]
+    else:
+        ts = [built.q.stored, built.pool.data]
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--matrix", default="premerge")
+    p.add_argument("--backend", "-b", action="append", default=[],
+                   help="repeatable (default: mlacheck run's default backends)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--workers", "-n", type=int, default=0, help="default: mlacheck run's")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--from", dest="from_file", help="summarise this results file instead")
+    p.add_argument("--inputs", action="store_true", help="time input construction only")
+    p.add_argument("--json", help="write the numbers here too")
+    a = p.parse_args(argv)
+    report: dict[str, Any] = {"machine": {"python": platform.python_version(),
+                                          "cpus": len(_cores()), "node": platform.node()}}
+    if a.from_file:
+        report["phases"] = phases(a.from_file)
+    elif a.inputs:
+        report["inputs"] = input_rates(a.matrix, a.repeats, a.device)
+    else:
+        runs = []
+        for i in range(a.repeats):
+            with tempfile.TemporaryDirectory() as tmp:
+                runs.append(run_once(a, Path(tmp)))
+            print(f"run {i + 1}/{a.repeats}: {json.dumps(runs[-1])}", flush=True)
+        report["runs"] = runs
+        report["median"] = {k: statistics.median(r[k] for r in runs)
+                            for k in ("wall_s", "items_per_s")}
+        report["peak_process_gib"] = max(r["peak_process_gib"] for r in runs)
+    print(json.dumps(report, indent=1))
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _cores() -> set[int]:
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
