@@ -225,7 +225,7 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
     # what the baseline loses on the same quantised inputs (ill-conditioned stress inputs lose
     # a lot in every format); beyond that and beyond the format's budget is the kernel's own
     # loss. Non-finite output where the unquantised golden is finite always fails: the cast
-    # itself overflowed (unit-scale FP8, DESIGN §5 bug class 7).
+    # itself overflowed (unit-scale FP8, bug class 7).
     if ideal is not None:
         found, ideal_bad = _check_ideal(case, inputs, out, b_out, ideal, p_fmt, checks, v.metrics)
         where += found

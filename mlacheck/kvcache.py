@@ -25,7 +25,6 @@ GUARD_ROWS = 2
 # kernel plausibly writes by chance; compared bit for bit.
 GUARD_VALUE = -31.75
 
-BYTE_BOUNDARIES = (1 << 31, 1 << 32)  # signed / unsigned 32-bit offset limits
 
 
 # --------------------------------------------------------------------------- page tables

@@ -3,7 +3,7 @@
 A persistent kernel runs a fixed grid of work groups ("CUs"); AITER's planner hands each one
 a list of work items and tells a reduce kernel how to merge the fp32 partial results of
 split work. A wrong schedule silently drops or double-counts KV, writes the wrong output
-rows, or reads another batch's pages (DESIGN §5 bug classes 3, 9, 10). This module checks
+rows, or reads another batch's pages (bug classes (mlacheck/bugclasses.py) 3, 9, 10). This module checks
 the six buffers against the batch they are meant for, as pure functions of CPU tensors, and
 returns precise messages ("work 17 on CU 3 covers kv pages 40-55 of request 2, which has 48
 pages"); an empty list means the schedule is consistent. It works on real AITER metadata and

@@ -1,5 +1,5 @@
 """`mlacheck selftest`: prove, on this machine, that the suite catches every planted fault of
-the catalogue (mlacheck/backends/faults: DESIGN §5's bug classes and generic mistakes) and
+the catalogue (mlacheck/backends/faults: the bug classes of mlacheck/bugclasses.py and generic mistakes) and
 raises no false alarm on the correct backends.
 
     mlacheck selftest [--quick] [--matrix selftest] [--no-search] [--seeds N]

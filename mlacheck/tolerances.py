@@ -39,7 +39,7 @@ ROW_BUDGET = {
 # What quantisation itself may cost: row error of the kernel vs the golden on UNquantised
 # inputs. bf16/fp16 inputs cost about one roundoff per input element; fp8 with an amax scale
 # a few e4m3 roundoffs. A unit-scale cast that saturates or turns outliers into NaN blows
-# through these budgets (DESIGN §5 bug class 7).
+# through these budgets (bug class 7).
 IDEAL_BUDGET = {
     "fp32": 1e-4,
     "bf16": 16 * 2.0**-9,  # 3.1e-2

@@ -5,7 +5,7 @@ One adapter class serves the real `aiter` package (the PyPI distribution `amd-ai
 mlacheck's torch model of its API (`mlacheck.backends.aiter_model`): it imports the module
 named `api_module_name` (plus `<module>.mla`, `<module>.dtypes` and
 `<module>.jit.utils.chip_info`) and calls everything BY KEYWORD, never positionally, because
-AITER reorders arguments between releases (DESIGN §3; `get_mla_metadata_v1` takes
+AITER reorders arguments between releases (`get_mla_metadata_v1` takes
 `work_info_set` before `work_indptr` while `get_mla_metadata_info_v1` returns them the other
 way round, and the 9th positional argument of `mla_decode_fwd` is `sm_scale` in 0.1.7.x but
 `page_size` at main).
@@ -45,7 +45,6 @@ from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
 # --------------------------------------------------------------------------- targets
 
 TARGET_COMMIT = "e4048607a535ace3a2b51ded31b1c8c2d45c0879"
-TARGET_DESCRIBE = "v0.1.20-46-ge4048607a5"
 REAL_MODULE = "aiter"
 MODEL_MODULE = "mlacheck.backends.aiter_model"
 INSTALL_HINT = "pip install mlacheck[rocm] -> amd-aiter"
@@ -347,7 +346,7 @@ def head_padding(heads: int, targets: Collection[int] | None = None) -> HeadPadd
     targets None: any multiple of 16 (persistent decode: AITER folds 32..128 itself).
     Divisors of 16 repeat each head 16 // H times, as vLLM does. Every other count is padded
     with zero heads: `16 // 12 == 1`, so "repeat 16 // H times" would leave 12 heads
-    unpadded (DESIGN §5 bug class 5); 24 -> 32 likewise (a zero head attends uniformly and
+    unpadded (bug class 5); 24 -> 32 likewise (a zero head attends uniformly and
     is sliced off).
     """
     if heads < MIN_AITER_HEADS and MIN_AITER_HEADS % heads == 0:
@@ -779,7 +778,7 @@ class AiterAdapter:
                       bufs: dict[str, torch.Tensor], grew: bool,
                       fill_args: dict[str, Any]) -> None:
         """get_mla_metadata_v1 into the cached buffers, on EVERY call (a reused buffer holds
-        the previous batch's schedule: DESIGN §5 bug class 10). Note the keyword order trap:
+        the previous batch's schedule: bug class 10). Note the keyword order trap:
         AITER's wrapper takes work_info_set BEFORE work_indptr."""
         self._call(api, "get_mla_metadata_v1", work_metadata_ptrs=bufs["work_metadata_ptrs"],
                    work_info_set=bufs["work_info_set"], work_indptr=bufs["work_indptr"],

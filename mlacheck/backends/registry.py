@@ -41,11 +41,6 @@ class BackendError(ValueError):
     """A backend name that cannot be resolved: one line, shown to the user as is."""
 
 
-def register(name: str, target: str) -> None:
-    """Add a built-in (used by mlacheck's own optional backends)."""
-    BUILTIN[name] = target
-
-
 def available_names() -> list[str]:
     names = list(BUILTIN)
     names += [ep.name for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name not in BUILTIN]

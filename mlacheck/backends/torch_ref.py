@@ -137,10 +137,6 @@ def _online(
     return out.permute(1, 0, 2), lse.permute(1, 0)
 
 
-def out_dtype_for(case: Case) -> torch.dtype:
-    return {"fp16": torch.float16, "fp32": torch.float32}.get(case.quant.q, torch.bfloat16)
-
-
 class TorchBackend:
     """Same-precision PyTorch implementation (see module docstring)."""
 

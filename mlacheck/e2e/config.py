@@ -7,7 +7,7 @@ checkpoint's config round-trips). Both spellings of rotary scaling are read: the
 
 The attention softmax scale is the model's, computed the way DeepSeek computes it:
 `1/sqrt(qk_nope + qk_rope)`, times `yarn_get_mscale(factor, mscale_all_dim)^2` when YaRN
-scaling is configured (DESIGN §3) — i.e. `mlacheck.spec.softmax_scale` of `mla_dims`.
+scaling is configured — i.e. `mlacheck.spec.softmax_scale` of `mla_dims`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 `DeepseekV3ForCausalLM` (parameter names and shapes), so that a DeepSeek checkpoint's
 `model.safetensors` loads into it as is.
 
-The attention is split into the pieces both MLA views need (DESIGN §3):
+The attention is split into the pieces both MLA views (MHA and absorbed, mlacheck/spec.py) need:
 
 * `queries(x)`: `q_nope [.., H, nope]` and roped `q_pe [.., H, rope]`;
 * `latents(x)`: what a serving engine caches per token, `c_kv [.., rank]` (after

@@ -23,9 +23,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-# lm-eval version whose gsm8k.yaml GSM8K_TASK_CONFIG mirrors.
-MIRRORED_LM_EVAL_VERSION = "0.4.13"
-
 # Name under which the generated task is registered with lm-eval's TaskManager. The gate's
 # TaskManager is built with include_defaults=False, so it cannot clash with lm-eval's own.
 TASK_NAME = "gsm8k"

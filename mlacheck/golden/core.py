@@ -86,7 +86,7 @@ def _operand(x: torch.Tensor | Operand) -> Operand:
     return x if isinstance(x, Operand) else Operand(x)
 
 
-# The LSE without a max pass (see _softmax_v): lse = s_a - log(p_a) at an anchor column a,
+# The LSE without a max pass (see softmax_v): lse = s_a - log(p_a) at an anchor column a,
 # the largest score among the first ANCHOR_COLUMNS of the row (a short contiguous read).
 ANCHOR_COLUMNS = 512
 # Exact in any column; in floating point p_a carries the rounding of (s_a - max), up to
@@ -249,13 +249,13 @@ def _attend_groups(
                     pos = torch.arange(r0, r1, device=dev)[:, None] // fold
                     visible = torch.arange(c0, end, device=dev)[None, :] <= pos + offset
                     s[..., c0:end].masked_fill_(~visible, float("-inf"))
-                o, lse_b = _softmax_v(s, vh[:, :end], visible, c0, careful, ok)
+                o, lse_b = softmax_v(s, vh[:, :end], visible, c0, careful, ok)
                 out[g0:g1, r0:r1] = o
                 lse[g0:g1, r0:r1] = lse_b
     return out, lse
 
 
-def _softmax_v(
+def softmax_v(
     s: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, c0: int, careful: bool = True,
     ok: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:

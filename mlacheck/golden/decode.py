@@ -10,12 +10,12 @@ from mlacheck.golden.core import (
     Operand,
     Request,
     Result,
-    _softmax_v,
     attend_each,
     concat,
     exact_matmuls,
     per_tensor,
     score_block_elements,
+    softmax_v,
 )
 from mlacheck.inputs import DecodeInputs
 
@@ -90,5 +90,5 @@ def sparse_reference(
             s = torch.einsum("thd,tkd->thk", q[t0:t1], gathered).mul_(case.softmax_scale)
             seen = valid[:, None, :].to(s.device)  # padded slots (clamped to 0) must not leak
             s.masked_fill_(~seen, float("-inf"))
-            out[t0:t1], lse[t0:t1] = _softmax_v(s, gathered[..., :rank], seen, 0, careful=True)
+            out[t0:t1], lse[t0:t1] = softmax_v(s, gathered[..., :rank], seen, 0, careful=True)
     return Result(out, lse)

@@ -14,7 +14,7 @@ naming the file and the problem in one line):
     groups:
       - name: decode-page-sizes         # unique in the file; shown in errors and reports
         kind: prefill | decode | sparse # PrefillCase | DecodeCase | SparseDecodeCase
-        covers: [6, 11]                 # optional: DESIGN §5 bug classes the group targets
+        covers: [6, 11]                 # optional: bug classes (mlacheck/bugclasses.py) the group targets
         base: {field: value, ...}       # fields shared by every case of the group
         axes: {field: [v1, v2], ...}    # cartesian product over the listed values
         seeds: [0, 1]                   # optional: sugar for an axis over `seed`
@@ -58,6 +58,7 @@ from typing import Any
 import yaml
 
 from mlacheck import boundaries
+from mlacheck.bugclasses import BUG_CLASSES
 from mlacheck.spec import (
     CASE_TYPES,
     Case,
@@ -77,8 +78,7 @@ CANONICAL_ORDER = ("smoke", "premerge", "nightly", "full")
 # instead of silently creating an unregistered marker).
 KNOWN_MARKERS = ("fp8", "sparse", "multiseg", "large_kv", "persistent", "gpu", "slow")
 
-# DESIGN §5 lists this many bug classes; `covers:` entries must name one of them.
-BUG_CLASSES = range(1, 13)
+# # `covers:` entries must name one of them (or a boundary class).
 
 GROUP_KEYS = ("name", "kind", "covers", "base", "axes", "seeds", "markers", "exclude")
 TOP_KEYS = ("name", "description", "include", "shared", "groups")
@@ -291,11 +291,11 @@ def _expand_group(group: Any, index: int, file: str, seen: set[str]) -> list[Mat
         raise MatrixError(f"{where}: kind must be one of {', '.join(CASE_TYPES)}, not {kind!r}")
     covers = group.get("covers", []) or []
     if not isinstance(covers, list):
-        raise MatrixError(f"{where}: covers must be a list of DESIGN §5 bug classes (1..12) "
+        raise MatrixError(f"{where}: covers must be a list of bug classes of mlacheck/bugclasses.py (1..12) "
                           "or boundary class names")
     for c in covers:
         if isinstance(c, bool) or (c not in BUG_CLASSES and c not in boundaries.BY_NAME):
-            raise MatrixError(f"{where}: covers {c!r} is neither a DESIGN §5 bug class (1..12) "
+            raise MatrixError(f"{where}: covers {c!r} is neither a bug class of mlacheck/bugclasses.py (1..12) "
                               f"nor a boundary class ({', '.join(boundaries.BY_NAME)})")
     base = group.get("base", {}) or {}
     axes = dict(group.get("axes", {}) or {})

@@ -1,4 +1,4 @@
-"""The fault catalogue: every bug class of DESIGN §5 (and a few generic mistakes) planted in a
+"""The fault catalogue: every bug class of mlacheck/bugclasses.py (and a few generic mistakes) planted in a
 correct backend, reproducing the *mechanism* of the real bug, so that `mlacheck selftest` can
 show, on every CI run, that the suite catches each one and no correct backend fails.
 
@@ -37,7 +37,7 @@ PREFIX = "fault:"
 @dataclass(frozen=True)
 class FaultSpec:
     name: str
-    bug_class: int | str  # DESIGN §5 class number, a boundary class name, or "generic"
+    bug_class: int | str  # mlacheck.bugclasses number, a boundary class name, or "generic"
     mechanism: str  # one line
     factory: str  # "module:function"; the function takes an optional `inner` backend name
     inner: str  # the correct backend it is planted in (registry name)

@@ -33,8 +33,6 @@ from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
 from mlacheck.kvcache import GUARD_ROWS, Guarded, KVPool, PageTable
 from mlacheck.spec import Case
 
-FAULT_PREFIX = "fault:"
-
 # Inner backends an AITER adapter fault can be built over: (api module, persistent, devices).
 ADAPTER_INNERS: dict[str, tuple[str, bool, tuple[str, ...]]] = {
     "aiter-model": (MODEL_MODULE, True, ("cpu", "cuda")),
@@ -135,21 +133,11 @@ def with_table(pool: KVPool, table: PageTable, data: torch.Tensor | None = None)
                   pool.kind)
 
 
-def table_with_lens(table: PageTable, kv_lens: torch.Tensor) -> PageTable:
-    """The same pages with other token counts (each must still need the same page count)."""
-    return PageTable(table.page_size, table.indptr, table.indices, kv_lens.to(torch.int64))
-
-
 def replace_inputs(inputs: Inputs, **changes: Any) -> Inputs:
     """A shallow copy with some fields replaced: tensors the fault does not touch are shared,
     so what the inner backend writes into `out` lands in the buffer the judge reads."""
     assert isinstance(inputs, DecodeInputs | PrefillInputs)
     return dataclasses.replace(inputs, **changes)
-
-
-def output_of(inputs: Inputs, lse: torch.Tensor | None, metadata: dict[str, Any] | None = None
-              ) -> Output:
-    return Output(inputs.out.out, lse, metadata=dict(metadata or {}), wrote_into_guarded=True)
 
 
 def case_generator(case: Case, salt: int) -> torch.Generator:

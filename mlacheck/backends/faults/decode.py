@@ -1,4 +1,4 @@
-"""Decode-path faults: DESIGN §5 bug classes 1 and 9.
+"""Decode-path faults: bug classes (mlacheck/bugclasses.py) 1 and 9.
 
 decode-num-actual-tokens (class 1): in a mixed prefill + decode batch the decode kernel is
     launched over `num_actual_tokens` (prefill + decode) instead of the decode tokens. The

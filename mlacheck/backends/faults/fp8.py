@@ -1,4 +1,4 @@
-"""FP8 fault: DESIGN §5 bug class 7.
+"""FP8 fault: bug class 7.
 
 fp8-unit-scale (class 7): the path casts the unquantised activations to the chip's FP8 with a
     unit scale, ignoring the amax scales it was given (what vLLM's FP8 ASM prefill does with

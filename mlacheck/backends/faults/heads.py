@@ -1,4 +1,4 @@
-"""Head padding faults: DESIGN §5 bug classes 5 and 12.
+"""Head padding faults: bug classes (mlacheck/bugclasses.py) 5 and 12.
 
 AITER's MLA decode kernels work in groups of 16 query heads: fewer heads must be padded to 16
 before the call and the output unpadded after it (mlacheck.backends.aiter.head_padding: repeat

@@ -1,4 +1,4 @@
-"""Paged-KV faults: DESIGN §5 bug classes 6 and 11.
+"""Paged-KV faults: bug classes (mlacheck/bugclasses.py) 6 and 11.
 
 offset-wrap-int32 (class 6): a page's byte offset `page * page_bytes` computed in signed
     32 bits. Past 2^31 it wraps negative, and the kernel reads memory before the pool (not

@@ -1,4 +1,4 @@
-"""Persistent-decode fault: DESIGN §5 bug class 10.
+"""Persistent-decode fault: bug class 10.
 
 stale-metadata (class 10): the persistent-schedule buffers are kept across calls, as a serving
     engine keeps them, but refilled only when they had to grow (e.g. filled once at CUDA-graph

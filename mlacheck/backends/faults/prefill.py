@@ -1,4 +1,4 @@
-"""Prefill faults: DESIGN §5 bug classes 4 and 8.
+"""Prefill faults: bug classes (mlacheck/bugclasses.py) 4 and 8.
 
 multiseg-as-one (class 4): a multi-segment varlen batch (several prefill requests packed in
     one forward by chunked prefill) handled as ONE segment: cu_seqlens collapsed to

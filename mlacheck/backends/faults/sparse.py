@@ -1,4 +1,4 @@
-"""Sparse (DeepSeek-V3.2 top-k) decode faults: DESIGN §5 bug classes 2 and 3.
+"""Sparse (DeepSeek-V3.2 top-k) decode faults: bug classes (mlacheck/bugclasses.py) 2 and 3.
 
 Persistent sparse decode hands AITER kv_indices as a row-major [tokens, topk] table: token t's
 valid entries at t * topk .. t * topk + n_t - 1 (n_t = its number of valid indices), -1

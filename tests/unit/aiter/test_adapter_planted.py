@@ -1,4 +1,4 @@
-"""Planted adapter bugs (DESIGN §5 classes 5, 10, 11, 12 and the AITER argument traps) must
+"""Planted adapter bugs (bug classes 5, 10, 11, 12 and the AITER argument traps) must
 FAIL, or CRASH where AITER / the model raises; the correct adapter PASSes the same cases."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class FloorDivisionPadding(HeadPadding):
 
 
 class FloorDivisionHeadPadding(AiterAdapter):
-    """(d) `16 // H` padding (DESIGN §5 bug class 5)."""
+    """(d) `16 // H` padding (bug class 5)."""
 
     def head_padding_for(self, api: AiterApi, case: DecodeCase | SparseDecodeCase
                          ) -> HeadPadding:

@@ -194,14 +194,14 @@ def test_a_reduce_tile_listing_a_partial_twice_is_named() -> None:
 
 
 def test_sparse_buffers_filled_dense_are_named() -> None:
-    """DESIGN §5 class 3: buffers sized with is_sparse=True, planner called without topk."""
+    """bug class 3: buffers sized with is_sparse=True, planner called without topk."""
     b = build(q_lens=[2, 2], kv_lens=[300, 500], topk=2048, planner_topk=-1)
     msgs = b.validate()
     assert any("with top-k every query token is its own pseudo-batch" in m for m in msgs), msgs
 
 
 def test_metadata_for_q_len_1_used_with_q_len_4_is_named() -> None:
-    """DESIGN §5 class 9: the planner told max_seqlen_qo = uni_seqlen_qo = 1 for an MTP batch
+    """bug class 9: the planner told max_seqlen_qo = uni_seqlen_qo = 1 for an MTP batch
     covers one token per request; with 128 fp8 heads the q_len-1 sizes are also too small."""
     b = build(q_lens=[4, 4], kv_lens=[300, 500], planner_q_len=1)
     msgs = b.validate()
@@ -216,7 +216,7 @@ def test_metadata_for_q_len_1_used_with_q_len_4_is_named() -> None:
 
 
 def test_metadata_of_another_batch_is_named() -> None:
-    """DESIGN §5 class 10: a schedule reused for a batch with longer contexts."""
+    """bug class 10: a schedule reused for a batch with longer contexts."""
     old = build(q_lens=[1, 1, 1], kv_lens=[300, 90, 700])
     new = build(q_lens=[1, 1, 1], kv_lens=[300, 190, 700])
     msgs = validate_mla_metadata(**{**old.bufs, **new.batch})

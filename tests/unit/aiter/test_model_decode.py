@@ -93,7 +93,7 @@ def test_sparse_decode_matches_golden(gfx: str, quant: Quant, q_len: int, topk: 
 
 
 def test_decode_model_catches_a_stale_schedule() -> None:
-    """Metadata computed for one batch and reused for a longer one (DESIGN §5 class 10):
+    """Metadata computed for one batch and reused for a longer one (bug class 10):
     the model computes what the stale schedule says, the judge fails it, and the validator
     names the kv positions nobody covers."""
 

@@ -2,7 +2,7 @@
 serving engine drives it: the persistent-metadata buffers are kept across calls (reallocated
 only when get_mla_metadata_info_v1 says they must grow) and refilled on every call. Every call
 is judged by the harness and must PASS. A planted variant that reuses the schedule computed
-for a previous batch shape (DESIGN §5 bug class 10) must be caught by the same machine."""
+for a previous batch shape (bug class 10) must be caught by the same machine."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """An independent, deliberately naive FP64 attention used to check the golden layer.
 
-Written from the MLA conventions of DESIGN §3, sharing no code with mlacheck.golden: one
-Python loop per query token and head, scores as explicit dot products, the mask as an explicit
+Written from the MLA conventions (softmax scale, absorbed latent attention, v = the first
+512 latent channels), sharing no code with mlacheck.golden: one Python loop per query token and head, scores as explicit dot products, the mask as an explicit
 per-position condition and the softmax / natural-log LSE by hand (max-shifted sums).
 """
 

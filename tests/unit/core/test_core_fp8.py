@@ -1,4 +1,4 @@
-"""FP8 formats, quantisation with explicit overflow policies, and scales (DESIGN §3, §5.7)."""
+"""FP8 formats, quantisation with explicit overflow policies, and scales (bug class 7, mlacheck/bugclasses.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""High placement: live pages really sit past 2^31 / 2^32 bytes of the pool (DESIGN §5.6).
+"""High placement: live pages really sit past 2^31 / 2^32 bytes of the pool (bug class 6, mlacheck/bugclasses.py).
 
 These build real 2 GiB / 4 GiB pools on CPU (fp8 latent pools, one byte per element, so the
 4 GiB case costs ~4 GiB of RAM: fine on the 24 GB / 2-core CI machine even with two xdist

@@ -1,4 +1,4 @@
-"""The packaged matrices cover what they claim: DESIGN §5's bug classes and the feature list,
+"""The packaged matrices cover what they claim: the bug classes of mlacheck/bugclasses.py and the feature list,
 checked on the cases themselves (not on the YAML comments); smoke runs green and fast."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import time
 import pytest
 
 from mlacheck.backends.torch_ref import TorchBackend
+from mlacheck.bugclasses import BUG_CLASSES
 from mlacheck.harness import run_case
 from mlacheck.matrices import MatrixCase, load
-from mlacheck.matrices.loader import BUG_CLASSES, _read_yaml, _resolve
+from mlacheck.matrices.loader import _read_yaml, _resolve
 from mlacheck.spec import DecodeCase, PrefillCase, SparseDecodeCase
 
 MATRICES = ("smoke", "premerge", "nightly", "full")
@@ -47,7 +48,7 @@ def sparses(cases: list[MatrixCase]) -> list[SparseDecodeCase]:
 
 
 def covers(name: str) -> set[int]:
-    """DESIGN §5 bug classes claimed by the groups of one file (its includes not counted;
+    """bug classes (mlacheck/bugclasses.py) claimed by the groups of one file (its includes not counted;
     boundary class names, checked by the loader, are not counted here)."""
     doc = _read_yaml(_resolve(name))
     return {c for g in doc["groups"] for c in g.get("covers", []) if isinstance(c, int)}
