@@ -329,17 +329,36 @@ class _CompileOnlyDriver(_InterpreterDriver):
         return 0
 
 
+_COMPILE_ONLY_TARGET: tuple[str, int, int] | None = None
+
+
+def compile_only() -> bool:
+    """Whether this process compiles for another GPU and never launches a kernel."""
+    return _COMPILE_ONLY_TARGET is not None
+
+
+class CudaLookingTensor(torch.Tensor):
+    """Compile-only: a CPU tensor that passes AITER's prefill `q.is_cuda` check (nothing is
+    launched, so no kernel ever reads it)."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
 def set_compile_only_target(target: tuple[str, int, int] = INTERPRETER_TARGET) -> str:
     """Make Triton compile for `target` on a machine without that GPU (nothing can launch).
 
-    Used by `python -m mlacheck.backends.aiter_triton --compile-only` before AITER is
+    Used by `python -m mlacheck.backends.aiter_triton_check --compile-only` before AITER is
     imported (AITER caches the arch at import).
     """
+    global _COMPILE_ONLY_TARGET
     if interpreting():
         raise RuntimeError("compile-only needs TRITON_INTERPRET unset")
     from triton.runtime import driver
 
     driver.set_active(_CompileOnlyDriver(target))  # type: ignore[arg-type]
+    _COMPILE_ONLY_TARGET = target
     return "compile-only driver: target {}:{} (warp {})".format(*target)
 
 

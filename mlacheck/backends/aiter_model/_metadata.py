@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mlacheck.backends.aiter_model import _rules
+from mlacheck.backends.aiter import rules
 from mlacheck.backends.aiter_model._common import (
     cdiv,
     check,
@@ -51,7 +51,7 @@ def get_mla_decode_fwd_max_splits(
 ) -> int:
     """CU count x occupancy: the most KV splits one tile can get (model)."""
     fp8 = chip_fp8()
-    occ = _rules.decode_occupancy(get_gfx(), num_head_qo, max_seqlen_qo, q_dtype == fp8,
+    occ = rules.decode_occupancy(get_gfx(), num_head_qo, max_seqlen_qo, q_dtype == fp8,
                                   kv_dtype == fp8, experimental_enabled())
     return get_cu_num() * occ
 
@@ -73,7 +73,7 @@ def get_mla_metadata_info_v1(
     fp8 = chip_fp8()
     max_splits = get_mla_decode_fwd_max_splits(num_head_qo, max_seqlen_qo, q_dtype, kv_dtype)
     effective_seqlen_qo = 1 if is_sparse else max_seqlen_qo
-    tiles = _rules.info_tiles_per_batch(get_gfx(), num_head_qo, effective_seqlen_qo,
+    tiles = rules.info_tiles_per_batch(get_gfx(), num_head_qo, effective_seqlen_qo,
                                         q_dtype == fp8, kv_dtype == fp8, experimental_enabled())
     batches = batch_size * max_seqlen_qo if is_sparse else batch_size
     tile_cnt = batches * tiles
@@ -398,15 +398,15 @@ def plan_for(
     sparse = topk >= 0
     num_batches = len(kv) - 1
     num_heads = num_heads_k * num_heads_per_head_k
-    native = _rules.natively_supported(gfx, num_heads, max_seqlen_qo, q_fp8, kv_fp8,
+    native = rules.natively_supported(gfx, num_heads, max_seqlen_qo, q_fp8, kv_fp8,
                                        experimental)
     ratio = 1
-    if not native and num_heads % _rules.FOLD_HEADS == 0:
-        ratio = num_heads // _rules.FOLD_HEADS
-        num_heads = _rules.FOLD_HEADS
+    if not native and num_heads % rules.FOLD_HEADS == 0:
+        ratio = num_heads // rules.FOLD_HEADS
+        num_heads = rules.FOLD_HEADS
         num_batches *= ratio
-    check(_rules.metadata_heads_supported(gfx, num_heads, max_seqlen_qo, q_fp8, kv_fp8, native,
-                                          experimental), _rules.METADATA_HEADS_MESSAGE)
+    check(rules.metadata_heads_supported(gfx, num_heads, max_seqlen_qo, q_fp8, kv_fp8, native,
+                                          experimental), rules.METADATA_HEADS_MESSAGE)
     if mla_version == MLA_VERSION_V40:
         rope_ok = q_rope_dtype == torch.bfloat16 and kv_rope_dtype == torch.bfloat16
     else:
@@ -421,7 +421,7 @@ def plan_for(
     if sparse:
         check(ori > 0, "AITER model: sparse metadata needs seqlens_qo_indptr[1] > 0")
         num_batches *= ori
-    packed = _rules.packed_qo_per_wg(gfx, num_heads, max_seqlen_qo, q_fp8, kv_fp8)
+    packed = rules.packed_qo_per_wg(gfx, num_heads, max_seqlen_qo, q_fp8, kv_fp8)
     params = _Params(
         qo_indptr=qo, kv_indptr=[x - kv[0] for x in kv], kv_last_page_lens=last,
         num_batches=num_batches, num_heads=num_heads, ratio=ratio, num_cu=num_clusters,

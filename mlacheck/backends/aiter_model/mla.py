@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from mlacheck.backends.aiter_model import _rules
+from mlacheck.backends.aiter import rules
 from mlacheck.backends.aiter_model._common import (
     cdiv,
     experimental_enabled,
@@ -67,10 +67,10 @@ def get_meta_param(
         wg_per_split = 2 if nhead == 128 and get_gfx() == "gfx1250" else 1
         bs_occ = bs * max(tg_factor, wg_per_split)
         scores = []
-        for i in range(1, _rules.MAX_SPLIT_SEARCH + 1):
+        for i in range(1, rules.MAX_SPLIT_SEARCH + 1):
             occupancy = bs_occ * i / ((bs_occ * i + cu - 1) // cu * cu)
             if not ignore_total_kv:
-                occupancy *= avg_kv / (avg_kv + _rules.SPLIT_OVERHEAD * i)
+                occupancy *= avg_kv / (avg_kv + rules.SPLIT_OVERHEAD * i)
             scores.append((occupancy, i))
         num_kv_splits = max(scores, key=lambda x: x[0])[1]
     if dtype == chip_fp8() and not ignore_total_kv:
@@ -158,12 +158,12 @@ def mla_decode_fwd(
                                                       kv_buffer.dtype)
     folded = False
     o_orig = o
-    if _rules.natively_supported(get_gfx(), nhead, max_seqlen_q, q.dtype == fp8,
+    if rules.natively_supported(get_gfx(), nhead, max_seqlen_q, q.dtype == fp8,
                                  kv_buffer.dtype == fp8, experimental_enabled()):
         pass
-    elif nhead in _rules.FOLDABLE_HEADS:
-        fold = ori_nhead // _rules.FOLD_HEADS
-        nhead = _rules.FOLD_HEADS
+    elif nhead in rules.FOLDABLE_HEADS:
+        fold = ori_nhead // rules.FOLD_HEADS
+        nhead = rules.FOLD_HEADS
         total_s = ori_total_s * fold
         if max_seqlen_q == 1:
             q = q.view(total_s, nhead, -1)

@@ -22,15 +22,15 @@ from _aiter_fakes import (  # noqa: I001  (test-local helper, on sys.path via ro
     mla_decode_fwd_0_1_7,
 )
 
-from mlacheck.backends import aiter as adapter_mod
 from mlacheck.backends.aiter import (
-    CALLED_PARAMETERS,
     AiterAdapter,
     MetadataBuffers,
+    capability,
     head_padding,
     load_api,
-    pinned_environment,
 )
+from mlacheck.backends.aiter import api as adapter_mod
+from mlacheck.backends.aiter.api import CALLED_PARAMETERS, pinned_environment
 from mlacheck.backends.registry import BUILTIN, DEFAULT_BACKENDS, resolve
 from mlacheck.backends.toolkit import signature_problem
 from mlacheck.harness import run_case
@@ -360,7 +360,7 @@ def test_twelve_heads_are_not_padded_with_16_over_12() -> None:
     ("gfx950", 1, 80, 128), ("gfx942", 2, 48, 64), ("gfx942", 1, 48, 128),
     ("gfx942", 1, 12, 16)])
 def test_nonpersistent_head_padding(gfx: str, max_q: int, heads: int, padded: int) -> None:
-    targets = adapter_mod.nonpersistent_head_targets(gfx, False, max_q)
+    targets = capability.nonpersistent_head_targets(gfx, False, max_q)
     assert head_padding(heads, targets).padded == padded
 
 

@@ -1,4 +1,4 @@
-"""mlacheck.metadata: it accepts the (model's) AITER schedules of many random batches and
+"""mlacheck.backends.aiter.metadata: it accepts the (model's) AITER schedules of many random batches and
 rejects planted corruptions with a message that says what is wrong and where."""
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 from test_model_api import alloc, model_env
 
 import mlacheck.backends.aiter_model as aiter
-from mlacheck.backends.aiter_model import _rules
+from mlacheck.backends.aiter import rules
+from mlacheck.backends.aiter.metadata import validate_mla_metadata, validate_ps_metadata
 from mlacheck.backends.aiter_model._metadata import (
     KV_END,
     KV_START,
     PARTIAL_QO_LOC,
     QO_START,
 )
-from mlacheck.metadata import validate_mla_metadata, validate_ps_metadata
 
 BF16 = torch.bfloat16
 DTYPES = {"gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn}
@@ -95,7 +95,7 @@ def batches(draw: st.DrawFn) -> dict[str, Any]:
     q_lens = [draw(st.integers(1, 4)) for _ in range(n)]
     if sparse or draw(st.booleans()):
         q_lens = [q_lens[0]] * n
-    fold = _rules.head_fold(gfx, heads, 1 if sparse else max(q_lens), fp8, fp8)
+    fold = rules.head_fold(gfx, heads, 1 if sparse else max(q_lens), fp8, fp8)
     # Head folding needs one q length for all requests (AITER reads qo_indptr with the
     # pseudo-batch index otherwise) and, with pages, AITER stores a wrong kv_offset
     # (test_model_decode::test_folded_heads_with_pages...): both are AITER limits, not drawn.

@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,10 +16,11 @@ import torch
 
 import mlacheck.backends.aiter_model as aiter
 from mlacheck import fp8
+from mlacheck.backends.aiter.api import pinned_environment
+from mlacheck.backends.aiter.metadata import validate_mla_metadata, validate_ps_metadata
 from mlacheck.backends.aiter_model import _kernels, mla
 from mlacheck.backends.base import Capability, Output
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
-from mlacheck.metadata import validate_mla_metadata, validate_ps_metadata
 from mlacheck.spec import Case, PrefillCase, SparseDecodeCase
 
 GFX_ENV, CU_ENV, REV_ENV = "MLACHECK_AITER_MODEL_GFX", "CU_NUM", "MLACHECK_AITER_MODEL_REVISION"
@@ -31,19 +30,9 @@ PS_KVLEN_GRANULARITY = 128
 NONPERSISTENT_SPLITS = 4  # > 1 so the split-KV merge runs and writes the LSE
 
 
-@contextlib.contextmanager
-def model_env(gfx: str, cu: int = 8, revision: str = "head") -> Iterator[None]:
+def model_env(gfx: str, cu: int = 8, revision: str = "head") -> contextlib.AbstractContextManager[None]:
     """Select the modelled chip / CU count / revision for the duration of a call."""
-    saved = {k: os.environ.get(k) for k in (GFX_ENV, CU_ENV, REV_ENV)}
-    os.environ.update({GFX_ENV: gfx, CU_ENV: str(cu), REV_ENV: revision})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return pinned_environment({GFX_ENV: gfx, CU_ENV: str(cu), REV_ENV: revision})
 
 
 def scale1(t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +49,7 @@ def alloc(sizes: Any, device: torch.device | str = "cpu") -> dict[str, torch.Ten
 class ModelBackend:
     """Drives the AITER model the way a caller of AITER would (a test double of the adapter).
 
-    It records the schedule it used and runs mlacheck.metadata on it; any validator message
+    It records the schedule it used and runs mlacheck.backends.aiter.metadata on it; any validator message
     fails the case through Output.metadata["validation"].
     """
 

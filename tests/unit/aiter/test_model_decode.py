@@ -14,8 +14,8 @@ from test_model_api import ModelBackend, alloc, model_env
 
 import mlacheck.backends.aiter_model as aiter
 from mlacheck import harness
+from mlacheck.backends.aiter.metadata import validate_mla_metadata
 from mlacheck.backends.aiter_model import _metadata
-from mlacheck.metadata import validate_mla_metadata
 from mlacheck.spec import DecodeCase, Placement, Quant, Request, SparseDecodeCase
 from mlacheck.verdict import PASS
 

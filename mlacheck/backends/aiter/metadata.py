@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from mlacheck.backends.aiter_model import _rules
+from mlacheck.backends.aiter import rules
 from mlacheck.verdict import ranges
 
 WORK_FIELDS = 8  # int32 per work row
@@ -207,7 +207,7 @@ def _kernel_rows(qo: list[int], fold: int, sparse: bool, heads: int) -> _Rows | 
     owner = [r for r in range(n_req) for _ in range(lens[r])]
     tokens = list(range(qo[-1] - qo[0])) if n_req else []
     tokens = [t + qo[0] for t in tokens]
-    group_size = _rules.FOLD_HEADS if fold > 1 else heads
+    group_size = rules.FOLD_HEADS if fold > 1 else heads
     if fold == 1:
         return _Rows(owner, tokens, [0] * len(tokens), 1, group_size)
     if sparse or (lens and all(n == 1 for n in lens)):  # q_len 1: row = token * fold + group
@@ -301,7 +301,7 @@ def validate_mla_metadata(
         head_fold = 1
         if gfx is not None and q_dtype is not None and kv_dtype is not None:
             # sparse metadata is built (and decoded) with one query token per pseudo-batch
-            head_fold = _rules.head_fold(gfx, heads, 1 if sparse else max_seqlen_qo,
+            head_fold = rules.head_fold(gfx, heads, 1 if sparse else max_seqlen_qo,
                                          _is_fp8(q_dtype), _is_fp8(kv_dtype), experimental)
     rows = _kernel_rows(qo, head_fold, sparse, heads)
     if isinstance(rows, str):

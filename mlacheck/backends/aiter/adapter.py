@@ -1,411 +1,61 @@
-"""AITER adapter: AMD's MLA kernels (persistent / non-persistent decode, sparse top-k decode,
+"""The AITER adapter: AMD's MLA kernels (persistent / non-persistent decode, sparse top-k decode,
 FP8 persistent-scheduling ASM prefill, CK paged batch prefill) behind the backend contract.
 
 One adapter class serves the real `aiter` package (the PyPI distribution `amd-aiter`) and
-mlacheck's torch model of its API (`mlacheck.backends.aiter_model`): it imports the module
-named `api_module_name` (plus `<module>.mla`, `<module>.dtypes` and
-`<module>.jit.utils.chip_info`) and calls everything BY KEYWORD, never positionally, because
-AITER reorders arguments between releases (`get_mla_metadata_v1` takes
-`work_info_set` before `work_indptr` while `get_mla_metadata_info_v1` returns them the other
-way round, and the 9th positional argument of `mla_decode_fwd` is `sm_scale` in 0.1.7.x but
-`page_size` at main).
-
-Target: AITER main at commit TARGET_COMMIT (see docs/aiter.md). Before first use every
-installed function the adapter calls is checked with `inspect.signature` against the keyword
-parameters the adapter passes (CALLED_PARAMETERS); a mismatch is a one-line SKIP reason naming
-the function and the parameter. Nothing here has been run on ROCm hardware: it is verified
-only against the torch model.
-
-Importing this module never imports aiter: the import happens on the first `unavailable()`,
-`capabilities()` or `run()` call.
+mlacheck's torch model of its API (`mlacheck.backends.aiter_model`). It calls everything BY
+KEYWORD, never positionally, because AITER reorders arguments between releases
+(`get_mla_metadata_v1` takes `work_info_set` before `work_indptr` while
+`get_mla_metadata_info_v1` returns them the other way round, and the 9th positional argument
+of `mla_decode_fwd` is `sm_scale` in 0.1.7.x but `page_size` at main). Nothing here has been
+run on ROCm hardware: it is verified only against the torch model.
 """
+
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import importlib.metadata
 import inspect
 import itertools
 import math
-import os
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from mlacheck import fp8
+from mlacheck.backends.aiter.api import (
+    AITER_ENV_CONTROLS,
+    CALLED_PARAMETERS,
+    EXACT_SIZE_BUFFERS,
+    METADATA_BUFFER_NAMES,
+    MODEL_GFX_ENV,
+    MODEL_MODULE,
+    OP_FUNCTIONS,
+    REAL_MODULE,
+    AdapterError,
+    AiterApi,
+    load_api,
+    pinned_environment,
+)
+from mlacheck.backends.aiter.capability import (
+    DEFAULT_MAX_SPLIT_PER_BATCH,
+    DEFAULT_NONPERSISTENT_KV_SPLITS,
+    MAX_DECODE_HEADS,
+    NO_KERNEL_MESSAGE,
+    PAGE_SIZES_POW2,
+    PREFILL_PS_HEADS,
+    PREFILL_PS_KVLEN_GRANULARITY,
+    PREFILL_PS_TILE_Q,
+    HeadPadding,
+    aiter_folds_heads,
+    folded_heads_need_uniform_q_len,
+    head_padding,
+    nonpersistent_fp8_heads,
+    nonpersistent_head_targets,
+)
 from mlacheck.backends.base import Capability, CaseRule, Output, Range
-from mlacheck.backends.toolkit import library_version, signature_problem
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
 from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
-
-# --------------------------------------------------------------------------- targets
-
-TARGET_COMMIT = "e4048607a535ace3a2b51ded31b1c8c2d45c0879"
-REAL_MODULE = "aiter"
-MODEL_MODULE = "mlacheck.backends.aiter_model"
-INSTALL_HINT = "pip install mlacheck[rocm] -> amd-aiter"
-# The AITER model's chip (read by mlacheck.backends.aiter_model.jit.utils.chip_info).
-MODEL_GFX_ENV = "MLACHECK_AITER_MODEL_GFX"
-
-# The keyword parameters the adapter passes to each installed function. `_call` refuses a
-# keyword missing from this table, so the signature check below covers every call made.
-CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
-    "get_mla_metadata_info_v1": (
-        "batch_size", "max_seqlen_qo", "num_head_qo", "q_dtype", "kv_dtype", "is_sparse",
-        "fast_mode", "num_kv_splits", "intra_batch_mode", "max_split_per_batch",
-    ),
-    "get_mla_metadata_v1": (
-        "seqlens_qo_indptr", "seqlens_kv_indptr", "kv_last_page_lens", "num_heads_per_head_k",
-        "num_heads_k", "is_causal", "work_metadata_ptrs", "work_info_set", "work_indptr",
-        "reduce_indptr", "reduce_final_map", "reduce_partial_map", "page_size",
-        "kv_granularity", "max_seqlen_qo", "uni_seqlen_qo", "fast_mode", "topk",
-        "max_split_per_batch", "intra_batch_mode", "dtype_q_nope", "dtype_kv_nope",
-    ),
-    "mla.mla_decode_fwd": (
-        "q", "kv_buffer", "o", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_lens",
-        "max_seqlen_q", "page_size", "nhead_kv", "sm_scale", "logit_cap", "num_kv_splits",
-        "num_kv_splits_indptr", "work_meta_data", "work_indptr", "work_info_set",
-        "reduce_indptr", "reduce_final_map", "reduce_partial_map", "q_scale", "kv_scale",
-        "return_lse", "causal",
-    ),
-    "get_ps_metadata_info_v1": ("batch_size", "num_head_k", "max_qlen", "qlen_granularity"),
-    "get_ps_metadata_v1": (
-        "seqlens_qo_indptr", "pages_kv_indptr", "context_lens", "gqa_ratio", "num_heads_k",
-        "work_metadata_ptrs", "work_indptr", "work_info", "reduce_indptr", "reduce_final_map",
-        "reduce_partial_map", "qhead_granularity", "qlen_granularity", "kvlen_granularity",
-        "block_size", "is_causal",
-    ),
-    "mla.mla_prefill_ps_fwd": (
-        "Q", "K", "V", "output", "qo_indptr", "kv_indptr", "kv_page_indices", "work_indptr",
-        "work_info_set", "max_seqlen_q", "is_causal", "reduce_indptr", "reduce_final_map",
-        "reduce_partial_map", "softmax_scale", "q_scale", "k_scale", "v_scale",
-    ),
-    "mha_batch_prefill_func": (
-        "q", "k", "v", "cu_seqlens_q", "kv_indptr", "kv_page_indices", "max_seqlen_q",
-        "max_seqlen_k", "dropout_p", "softmax_scale", "logits_soft_cap", "causal",
-        "window_size", "return_lse", "out", "kv_last_page_lens", "q_descale", "k_descale",
-        "v_descale",
-    ),
-}
-
-PERSISTENT_DECODE_FUNCTIONS = ("get_mla_metadata_info_v1", "get_mla_metadata_v1",
-                               "mla.mla_decode_fwd")
-OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
-    "mla_decode": PERSISTENT_DECODE_FUNCTIONS,
-    "mla_sparse_decode": PERSISTENT_DECODE_FUNCTIONS,
-    "mla_prefill": ("get_ps_metadata_info_v1", "get_ps_metadata_v1", "mla.mla_prefill_ps_fwd"),
-    "paged_prefill": ("mha_batch_prefill_func",),
-}
-
-# Names of the six persistent-schedule buffers, in the order get_mla_metadata_info_v1 and
-# get_ps_metadata_info_v1 return their (shape, dtype) pairs.
-METADATA_BUFFER_NAMES = (
-    "work_metadata_ptrs", "work_indptr", "work_info_set",
-    "reduce_indptr", "reduce_final_map", "reduce_partial_map",
-)
-
-# work_indptr's length is the persistent kernel's grid (one work group per CU): never reuse a
-# longer one. The other buffers may be larger than asked.
-EXACT_SIZE_BUFFERS = frozenset({"work_indptr"})
-
-# AITER's environment controls, pinned for the duration of every call (restored afterwards)
-# so the path under test is the one this adapter means to test:
-AITER_ENV_CONTROLS: dict[str, str] = {
-    # <= 0 disables the gate that silently drops persistent metadata for gfx950 bf16
-    # 16-head qlen-1 decode at batch >= 32. Read ONCE per process (lru_cache), so it only
-    # takes effect if set before the first decode call; the adapter also passes
-    # num_kv_splits explicitly, which bypasses the gate regardless.
-    "AITER_MLA_DECODE_PERSISTENT_MAX_BATCH": "0",
-    # The experimental HipKittens kernels change kernel choice, metadata head folding and
-    # the CU occupancy (buffer sizes): off, so the ASM kernels are the ones tested.
-    "AITER_ENABLE_EXPERIMENTAL": "0",
-    # The opus fp8 stage-1 kernel (gfx950 fp8 page 1) is opt-in: keep the ASM stage 1.
-    "AITER_MLA_USE_OPUS": "0",
-    # The FlyDSL reduce port is opt-in: keep the HIP mla_reduce_v1.
-    "AITER_MLA_REDUCE_FLYDSL": "0",
-    # Parallel metadata planner (C++ default when unset): pinned to the default.
-    "AITER_MLA_META_USE_PARALLEL": "1",
-    # CK batch prefill soft cap: 0 = cap * tanh(s / cap) (what the golden computes).
-    # A JIT compile-time define: effective only when the module is built in this process.
-    "CK_TILE_ATTENTION_LOGITS_SOFT_CAP_DEFAULT": "0",
-}
-
-MIN_AITER_HEADS = 16  # AITER's MLA kernels and metadata work in groups of 16 query heads
-MAX_DECODE_HEADS = 128
-# Non-persistent decode cannot fold heads: it needs a kernel for the padded head count.
-# From AITER main's hsa/<gfx>/mla/mla_asm.csv (ps = 0 rows, after asm_mla.cu's qlen mapping):
-# bf16 16 / 32 / 64 / 128 (gfx942: no 64-head q_len-1 kernel); fp8 16 and 128 only (fp8
-# gqa 64 "only supports persistent mode", no fp8 gqa 32 non-persistent kernel).
-NONPERSISTENT_HEAD_TARGETS = (16, 32, 64, 128)
-NONPERSISTENT_BF16_GFX942_QLEN1_TARGETS = (16, 32, 128)
-NONPERSISTENT_FP8_HEADS = (16, 128)
-
-
-def nonpersistent_head_targets(gfx: str, q_fp8: bool, max_q_len: int) -> tuple[int, ...]:
-    """Head counts a non-persistent decode kernel exists for (see above)."""
-    if q_fp8:
-        return NONPERSISTENT_FP8_HEADS
-    if gfx == "gfx942" and max_q_len == 1:
-        return NONPERSISTENT_BF16_GFX942_QLEN1_TARGETS
-    return NONPERSISTENT_HEAD_TARGETS
-DEFAULT_MAX_SPLIT_PER_BATCH = 32  # what AITER's op tests pass (and vLLM's cap)
-# Non-persistent: a fixed split count (> 1 so the Triton merge runs and writes the LSE; the
-# one-split fp8 kernel writes none, which is why vLLM forces >= 2 splits for LSE too).
-DEFAULT_NONPERSISTENT_KV_SPLITS = 8
-PAGE_SIZES_POW2 = tuple(2**i for i in range(11))  # metadata and kernels need log2(page_size)
-# mla_reduce_v1 instantiations for Dv 128 (the FP8 prefill reduce always runs).
-PREFILL_PS_HEADS = (1, 2, 4, 8, 10, 16, 32, 40, 48, 64, 96, 128)
-PREFILL_PS_TILE_Q = 256  # qlen granularity of the FP8 ASM prefill kernel (vLLM's tile)
-PREFILL_PS_KVLEN_GRANULARITY = 128
-# The message AITER raises when no kernel variant matches (asm_mla.cu get_heuristic_kernel_mla).
-NO_KERNEL_MESSAGE = "cannot get heuristic kernel"
-
-
-class AdapterError(RuntimeError):
-    """The adapter met something it does not understand (an unexpected shape or value)."""
-
-
-# --------------------------------------------------------------------------- signatures
-
-
-def _known_version_hint(problem: str) -> str:
-    """A hint for the API generations we know (docs/aiter.md, 'Versions')."""
-    if "mla_decode_fwd has no parameter 'page_size'" in problem or (
-        "get_mla_metadata_v1 has no parameter 'kv_last_page_lens'" in problem
-    ):
-        return "; this is the AITER 0.1.7.x API (no page_size / kv_last_page_lens)"
-    return ""
-
-
-# --------------------------------------------------------------------------- the API module
-
-
-@dataclass
-class AiterApi:
-    """The imported API (real aiter or the model) and what was learnt about it."""
-
-    module: ModuleType
-    mla: ModuleType
-    gfx: str
-    fp8_dtype: torch.dtype
-    fp8_format: str
-    cu_num: int | None
-    version: str
-    problems: dict[str, str] = field(default_factory=dict)  # function -> signature problem
-
-    def function(self, qualname: str) -> Callable[..., Any]:
-        owner, _, name = qualname.rpartition(".")
-        return getattr(self.mla if owner == "mla" else self.module, name)
-
-    def op_problem(self, op: str) -> str | None:
-        for fn in OP_FUNCTIONS[op]:
-            if fn in self.problems:
-                return self.problems[fn]
-        return None
-
-    @property
-    def prefill_lse_fixed(self) -> bool:
-        """ROCm/aiter#3606 (not merged at TARGET_COMMIT) makes mla_prefill_ps_fwd return the
-        final LSE; vLLM detects it by `max_kvlen` in get_ps_metadata_info_v1, and so do we."""
-        try:
-            sig = inspect.signature(self.module.get_ps_metadata_info_v1)
-        except (AttributeError, TypeError, ValueError):
-            return False
-        return "max_kvlen" in sig.parameters
-
-
-def _distribution_of(top_level: str) -> list[str]:
-    try:
-        return list(importlib.metadata.packages_distributions().get(top_level, []))
-    except Exception:  # pragma: no cover - metadata of a broken environment
-        return []
-
-
-def load_api(module_name: str) -> AiterApi | str:
-    """Import the API module and probe it; a one-line reason string when it is unusable."""
-    top = module_name.partition(".")[0]
-    dists = _distribution_of(top) if module_name == REAL_MODULE else []
-    if module_name == REAL_MODULE and dists and "amd-aiter" not in dists:
-        return (f"the installed 'aiter' ({', '.join(dists)}) is not AMD AITER: PyPI 'aiter' is an "
-                f"unrelated asyncio library ({INSTALL_HINT})")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and module_name.startswith(e.name):
-            if module_name == REAL_MODULE:
-                return f"aiter not installed ({INSTALL_HINT})"
-            return f"API module {module_name} not found"
-        return f"{module_name} failed to import: {type(e).__name__}: {e}"[:300]
-    except Exception as e:  # aiter raises RuntimeError without ROCm ("ROCm version file ...")
-        first = str(e).splitlines()[0] if str(e) else ""
-        installed = f" ({library_version(dists)})" if dists else ""
-        return f"{module_name}{installed} failed to import: {type(e).__name__}: {first}"[:300]
-    try:
-        mla = importlib.import_module(f"{module_name}.mla")
-    except Exception as e:
-        if module_name == REAL_MODULE and not dists:
-            return ("the importable 'aiter' has no 'mla' submodule: it is not AMD AITER (PyPI "
-                    f"'aiter' is an unrelated asyncio library; {INSTALL_HINT})")
-        return f"{module_name}.mla failed to import: {type(e).__name__}: {e}"[:300]
-    try:
-        chip_info = importlib.import_module(f"{module_name}.jit.utils.chip_info")
-        gfx = str(chip_info.get_gfx())
-        cu_num: int | None = int(chip_info.get_cu_num())
-    except Exception as e:
-        return f"{module_name}: chip detection failed: {type(e).__name__}: {e}"[:300]
-    if gfx not in ("gfx942", "gfx950"):
-        return f"AITER MLA kernels are validated here for gfx942 / gfx950 only; this GPU is {gfx}"
-    try:
-        fp8_dtype = importlib.import_module(f"{module_name}.dtypes").fp8
-    except Exception as e:
-        return f"{module_name}.dtypes.fp8 unavailable: {type(e).__name__}: {e}"[:300]
-    chip_format = fp8.chip_fp8_format(gfx)
-    if fp8.fmt(chip_format).dtype != fp8_dtype:
-        return (f"{module_name}.dtypes.fp8 is {fp8_dtype} but {gfx} computes in {chip_format}: "
-                "inconsistent chip detection (GPU_ARCHS?)")
-    api = AiterApi(module, mla, gfx, fp8_dtype, chip_format, cu_num,
-                   library_version(dists or [top], module))
-    for qualname, passed in CALLED_PARAMETERS.items():
-        try:
-            fn = api.function(qualname)
-        except AttributeError:
-            api.problems[qualname] = f"{module_name} has no function {qualname}"
-            continue
-        problem = signature_problem(fn, f"{module_name}.{qualname}", passed)
-        if problem:
-            api.problems[qualname] = problem + _known_version_hint(problem)
-    return api
-
-
-@contextlib.contextmanager
-def pinned_environment(settings: Mapping[str, str]) -> Iterator[None]:
-    """Set environment variables for the duration of a call, then restore them exactly."""
-    saved = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-# --------------------------------------------------------------------------- head padding
-
-
-def _bits_view(t: torch.Tensor) -> torch.Tensor:
-    """An integer view of the same width (fp8 has no cat / repeat kernels on every device)."""
-    return t.view(fp8.int_dtype(t.dtype))
-
-
-@dataclass(frozen=True)
-class HeadPadding:
-    """How H query heads become the head count AITER runs with, and back.
-
-    `repeat > 1`: each head duplicated `repeat` times in a row (vLLM's
-    `q.repeat_interleave(16 // H)`, unpadded by `o[:, ::16 // H]`); only for H dividing 16.
-    Otherwise `padded - heads` zero heads are appended and `o[:, :H]` is kept.
-    """
-
-    heads: int
-    padded: int
-    repeat: int = 1
-
-    @property
-    def identity(self) -> bool:
-        return self.padded == self.heads
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, H, D] -> [T, padded, D], contiguous, same dtype."""
-        if self.identity:
-            return x.contiguous()
-        bits = _bits_view(x.contiguous())
-        if self.repeat > 1:
-            out = bits.repeat_interleave(self.repeat, dim=1)
-        else:
-            zeros = bits.new_zeros((x.shape[0], self.padded - self.heads, *x.shape[2:]))
-            out = torch.cat([bits, zeros], dim=1)  # all-zero bits are +0.0 in every format
-        return out.view(x.dtype).contiguous()
-
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, padded, ...] -> [T, H, ...] (a view)."""
-        if self.identity:
-            return x
-        return x[:, :: self.repeat] if self.repeat > 1 else x[:, : self.heads]
-
-
-def head_padding(heads: int, targets: Collection[int] | None = None) -> HeadPadding:
-    """The padding for `heads` query heads.
-
-    targets None: any multiple of 16 (persistent decode: AITER folds 32..128 itself).
-    Divisors of 16 repeat each head 16 // H times, as vLLM does. Every other count is padded
-    with zero heads: `16 // 12 == 1`, so "repeat 16 // H times" would leave 12 heads
-    unpadded (bug class 5); 24 -> 32 likewise (a zero head attends uniformly and
-    is sliced off).
-    """
-    if heads < MIN_AITER_HEADS and MIN_AITER_HEADS % heads == 0:
-        return HeadPadding(heads, MIN_AITER_HEADS, MIN_AITER_HEADS // heads)
-    if targets is None:
-        padded = -(-heads // MIN_AITER_HEADS) * MIN_AITER_HEADS
-    else:
-        fits = [t for t in sorted(targets) if t >= heads]
-        if not fits:
-            raise AdapterError(f"{heads} heads exceed the largest AITER head count {max(targets)}")
-        padded = fits[0]
-    return HeadPadding(heads, padded)
-
-
-# --------------------------------------------------------------------------- capabilities
-
-def _nonpersistent_fp8_heads(case: Case) -> str | None:
-    """fp8 non-persistent kernels exist for 16 and 128 heads: pad up to 16, never 8x to 128."""
-    if not fp8.fmt(case.quant.q).is_fp8 or case.num_heads <= MIN_AITER_HEADS:
-        return None
-    if case.num_heads not in NONPERSISTENT_FP8_HEADS:
-        return (f"non-persistent fp8 decode has kernels for 16 or 128 heads only, not "
-                f"{case.num_heads} (use persistent decode)")
-    return None
-
-
-def aiter_folds_heads(gfx: str, heads: int, max_q_len: int, q_fp8: bool, kv_fp8: bool) -> bool:
-    """Whether persistent decode runs `heads` (already padded) as heads/16 pseudo-batches of
-    16: the head counts AITER's persistent kernels do NOT take natively (research note §1.2,
-    with AITER_ENABLE_EXPERIMENTAL off as this adapter pins it)."""
-    fp8_both, bf16_both = q_fp8 and kv_fp8, not q_fp8 and not kv_fp8
-    native = (
-        heads == MIN_AITER_HEADS
-        or (gfx == "gfx942" and heads == 128 and fp8_both)
-        or (gfx == "gfx942" and heads == 64 and fp8_both and max_q_len == 1)
-        or (gfx == "gfx950" and fp8_both and heads in (32, 64, 128))
-        or (gfx == "gfx950" and bf16_both)
-    )
-    return not native and heads % MIN_AITER_HEADS == 0
-
-
-def _folded_heads_need_uniform_q_len(gfx: str) -> CaseRule:
-    """AITER folds heads only for a uniform q_len: mla_decode_fwd reshapes q as
-    [T // max_q, max_q, fold, 16, D], and the v1.2 planner, given uni_seqlen_qo = -1, reads
-    qo_indptr at the pseudo-batch index (b * fold + f): out of bounds for mixed MTP lengths."""
-
-    def rule(case: Case) -> str | None:
-        lens = {r.q_len for r in case.requests}  # type: ignore[union-attr]
-        if len(lens) == 1 or isinstance(case, SparseDecodeCase):
-            return None
-        padded = head_padding(case.num_heads).padded
-        if aiter_folds_heads(gfx, padded, max(lens), fp8.fmt(case.quant.q).is_fp8,
-                             fp8.fmt(case.quant.kv).is_fp8):
-            return (f"AITER folds {padded} heads into 16-head pseudo-batches only for a uniform "
-                    f"q_len; this batch mixes q_len {sorted(lens)}")
-        return None
-
-    return rule
-
 
 # --------------------------------------------------------------------------- metadata cache
 
@@ -519,8 +169,8 @@ class AiterAdapter:
             q_len=Range(1, 4), causal=(True,), devices=self.devices,
         )
         decode_rules: tuple[CaseRule, ...] = (
-            (_folded_heads_need_uniform_q_len(api.gfx),) if self.persistent
-            else (_nonpersistent_fp8_heads,))
+            (folded_heads_need_uniform_q_len(api.gfx),) if self.persistent
+            else (nonpersistent_fp8_heads,))
         path = "persistent" if self.persistent else "non-persistent"
         decode_refusal = (api.op_problem("mla_decode") if self.persistent
                           else api.problems.get("mla.mla_decode_fwd"))
@@ -927,7 +577,7 @@ def _decode_lse(result: Any, total_q: int, heads: int) -> torch.Tensor | None:
 def validate_persistent_metadata(record: Mapping[str, Any],
                                  validator_name: str = "validate_mla_metadata"
                                  ) -> tuple[list[str], str]:
-    """(problems, note): what a schedule validator of mlacheck.metadata (validate_mla_metadata
+    """(problems, note): what a schedule validator of mlacheck.backends.aiter.metadata (validate_mla_metadata
     for decode, validate_ps_metadata for the FP8 prefill) finds in the buffers AITER filled
     (the harness fails the case on any problem), and a note when no validator could be run
     (reported, not failed).
@@ -936,12 +586,12 @@ def validate_persistent_metadata(record: Mapping[str, Any],
     carry more than it needs.
     """
     try:
-        from mlacheck import metadata as metadata_module
+        from mlacheck.backends.aiter import metadata as metadata_module
     except ImportError:
-        return [], "mlacheck.metadata not available: persistent schedule not validated"
+        return [], "the schedule validators are not available: persistent schedule not validated"
     validator = getattr(metadata_module, validator_name, None)
     if validator is None:
-        return [], f"mlacheck.metadata has no {validator_name}: schedule not validated"
+        return [], f"no schedule validator {validator_name}: schedule not validated"
     params = inspect.signature(validator).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return list(validator(**record)), ""
