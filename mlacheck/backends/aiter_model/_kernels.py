@@ -6,7 +6,7 @@ FP8-prefill kernels AITER ships for gfx942 / gfx950 (the hsa/<gfx>/mla/mla_asm.c
 the modelled commit, restated as data). A missing key raises the RuntimeError AITER raises.
 
 Stage 1 computes, per work item (persistent) or per (request, KV split) (non-persistent),
-kernel-style attention with mlacheck's same-precision numerics (torch_ref.flash_attend):
+kernel-style attention with mlacheck's same-precision numerics (mlacheck.backends.numerics.flash_attend):
 scores from the stored values in fp32, `logits = q.k * sm_scale * q_scale * kv_scale`, an
 online softmax over 64-token KV tiles, P rounded to the chip's FP8 when q is FP8 (bf16
 otherwise) before the PV product, fp32 accumulation, `out = P.v * kv_scale`.
@@ -56,7 +56,7 @@ from mlacheck.backends.aiter_model._metadata import (
     QO_START,
 )
 from mlacheck.backends.aiter_model.jit.utils.chip_info import get_gfx
-from mlacheck.backends.torch_ref import flash_attend
+from mlacheck.backends.numerics import flash_attend
 
 V_HEAD_DIM = 512  # kv_lora_rank: V is the first 512 of the 576 latent values
 # Non-persistent stage 1 cuts a request's KV into equal chunks of whole 64-token tiles, so

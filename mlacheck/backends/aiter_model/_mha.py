@@ -28,7 +28,7 @@ from mlacheck.backends.aiter_model._common import (
     p_format_for,
     scalar_scale,
 )
-from mlacheck.backends.torch_ref import flash_attend
+from mlacheck.backends.numerics import flash_attend
 
 VECTOR_BYTES = 16  # CK loads 16-byte vectors: vec = 16 // element size
 MAX_HEAD_DIM = 256  # CK batch prefill head-size limit

@@ -51,7 +51,7 @@ from mlacheck.backends.aiter_model._metadata import (
     WORK_INFO_WIDTH,
 )
 from mlacheck.backends.aiter_model.jit.utils.chip_info import get_cu_num
-from mlacheck.backends.torch_ref import flash_attend
+from mlacheck.backends.numerics import flash_attend
 
 Q_HEAD_RANGE = 7  # work_info column 7 in the PS layout: (q_head_end << 16) | q_head_start
 HEAD_FIELD_BITS = 16

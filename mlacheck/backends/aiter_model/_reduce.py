@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from mlacheck.backends.aiter_model._common import check, lse_fix
-from mlacheck.backends.torch_ref import merge_partials
+from mlacheck.backends.numerics import merge_partials
 
 # (heads, Dv) pairs the reduce kernel is instantiated for.
 SUPPORTED_DV128_HEADS = (1, 2, 4, 8, 10, 16, 32, 40, 48, 64, 96, 128)

@@ -33,7 +33,7 @@ from mlacheck.backends.aiter_model._ps import mla_prefill_ps_asm_fwd
 from mlacheck.backends.aiter_model._reduce import mla_reduce_v1
 from mlacheck.backends.aiter_model.dtypes import chip_fp8
 from mlacheck.backends.aiter_model.jit.utils.chip_info import get_cu_num, get_gfx
-from mlacheck.backends.torch_ref import merge_partials
+from mlacheck.backends.numerics import merge_partials
 
 PERSISTENT_MAX_BATCH_ENV = "AITER_MLA_DECODE_PERSISTENT_MAX_BATCH"
 PERSISTENT_MAX_BATCH_DEFAULT = 32  # gfx950 bf16 16-head q_len-1 decode drops metadata at >= 32

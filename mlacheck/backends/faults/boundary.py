@@ -36,7 +36,8 @@ import torch
 from mlacheck import fp8
 from mlacheck.backends.base import Output
 from mlacheck.backends.faults._base import Wrapper, replace_inputs, resolve_inner, torch_only
-from mlacheck.backends.torch_ref import Numerics, TorchBackend, flash_attend
+from mlacheck.backends.numerics import Numerics, flash_attend
+from mlacheck.backends.torch_ref import TorchBackend
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs, Quantised, cu_seqlens
 from mlacheck.kvcache import KVPool, PageTable
 from mlacheck.spec import Case, DecodeCase, PrefillCase

@@ -30,7 +30,8 @@ from mlacheck.backends.faults._base import (
     restrict,
     torch_only,
 )
-from mlacheck.backends.torch_ref import Numerics, TorchBackend, flash_attend, p_format_for
+from mlacheck.backends.numerics import Numerics, flash_attend, p_format_for
+from mlacheck.backends.torch_ref import TorchBackend
 from mlacheck.inputs import Inputs, PrefillInputs
 from mlacheck.kvcache import GUARD_ROWS
 from mlacheck.spec import OPS, Case

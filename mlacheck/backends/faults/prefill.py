@@ -27,7 +27,8 @@ from mlacheck.backends.faults._base import (
     restrict,
     torch_only,
 )
-from mlacheck.backends.torch_ref import TorchBackend, flash_attend, merge_partials, p_format_for
+from mlacheck.backends.numerics import flash_attend, merge_partials, p_format_for
+from mlacheck.backends.torch_ref import TorchBackend
 from mlacheck.inputs import Inputs, PrefillInputs
 from mlacheck.spec import Case, PrefillCase, Segment
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from mlacheck import strategies as S
 from mlacheck.backends.base import Capability, Output
-from mlacheck.backends.torch_ref import TorchBackend, flash_attend, p_format_for
+from mlacheck.backends.numerics import flash_attend, p_format_for
+from mlacheck.backends.torch_ref import TorchBackend
 from mlacheck.inputs import DecodeInputs, Inputs
 from mlacheck.spec import (
     Case,

@@ -1,0 +1,136 @@
+"""Attention computed as a kernel computes it, at the kernel's precision: the numerics shared
+by the `torch` backend (the judge's same-precision baseline), the AITER model and the planted
+faults.
+
+Scores in fp32 from the stored (bf16/fp16/fp8) inputs — products of such values are exact in
+fp32, so this *is* a bf16/fp8 matmul with fp32 accumulation — an online softmax over kv
+blocks, P rounded to the kernel's P format before the PV product, fp32 accumulation. A
+`Numerics` varies accumulation order and structure without changing precision (`kv_block`,
+`splits` merged by LSE as persistent decode does, `reverse` block order), or plants a
+narrow accumulator (`acc_format`). Independent of mlacheck.golden's softmax (the golden
+reuses only its exact-matmul helper's contract, not this code).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mlacheck import fp8
+from mlacheck.golden.core import exact_matmuls
+
+# Online-softmax tile a typical MLA kernel uses along kv (AITER/FlashMLA use 64).
+DEFAULT_KV_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class Numerics:
+    kv_block: int = DEFAULT_KV_BLOCK
+    splits: int = 1
+    reverse: bool = False
+    p_format: str | None = None  # None: the kv format (bf16 -> bf16 P, fp8 -> fp8 P)
+    # Format the running output (P.V accumulator) is kept in between kv blocks: fp32 in every
+    # correct kernel; "bf16" is the narrow-accumulation bug (fault:narrow-accumulation).
+    acc_format: str = "fp32"
+
+
+DEFAULT_NUMERICS = Numerics()  # what a correct kernel does: fp32 accumulation, 64-key tiles
+
+
+def p_format_for(kv_format: str, numerics: Numerics) -> str:
+    return numerics.p_format or kv_format
+
+
+def flash_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    p_format: str,
+    numerics: Numerics = Numerics(),
+    soft_cap: float = 0.0,
+    kv_valid: torch.Tensor | None = None,
+    q_positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request, kernel-style. q [Sq,H,D] fp32 (values of the stored format), k [Sk,Hk,D],
+    v [Sk,Hk,Dv]; returns (out fp32 [Sq,H,Dv], lse [Sq,H]). Causal is bottom-right unless
+    q_positions (absolute kv position of each query) is given. kv_valid [Sk] masks keys."""
+    sq, h, _ = q.shape
+    sk = k.shape[0]
+    if q_positions is None:
+        q_positions = torch.arange(sq, device=q.device) + (sk - sq)
+    bounds = split_bounds(sk, numerics.splits)
+    outs, lses = [], []
+    with exact_matmuls():
+        for lo, hi in bounds:
+            o, lse = _online(q, k, v, lo, hi, scale, causal, p_format, numerics, soft_cap,
+                             kv_valid, q_positions)
+            outs.append(o)
+            lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return merge_partials(torch.stack(outs), torch.stack(lses))
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduce per-split normalised partials: lse* = logsumexp(lse_k), o = sum exp(lse_k - lse*) o_k.
+
+    outs [S, ..., Dv], lses [S, ...]; splits that saw no key (lse -inf) contribute nothing.
+    """
+    lse = torch.logsumexp(lses, dim=0)
+    w = torch.exp(lses - lse.unsqueeze(0))
+    w = torch.nan_to_num(w, nan=0.0)
+    return (w.unsqueeze(-1) * torch.nan_to_num(outs, nan=0.0)).sum(0), lse
+
+
+def split_bounds(sk: int, splits: int) -> list[tuple[int, int]]:
+    n = max(1, min(splits, sk))
+    edges = [round(i * sk / n) for i in range(n + 1)]
+    return [(edges[i], edges[i + 1]) for i in range(n)]
+
+
+def _online(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int, scale: float,
+    causal: bool, p_format: str, nm: Numerics, soft_cap: float, kv_valid: torch.Tensor | None,
+    q_positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    sq, h, _ = q.shape
+    dv = v.shape[-1]
+    qh = q.permute(1, 0, 2)  # [H, Sq, D]
+    m = torch.full((h, sq, 1), float("-inf"), device=q.device)
+    l = torch.zeros((h, sq, 1), device=q.device)
+    acc = torch.zeros((h, sq, dv), device=q.device)
+    starts = list(range(lo, hi, nm.kv_block))
+    if nm.reverse:
+        starts.reverse()
+    for b0 in starts:
+        b1 = min(hi, b0 + nm.kv_block)
+        kb = k[b0:b1].permute(1, 2, 0)  # [Hk, D, n]
+        vb = v[b0:b1].permute(1, 0, 2)  # [Hk, n, Dv]
+        s = torch.matmul(qh, kb) * scale  # [H, Sq, n]
+        if soft_cap > 0:
+            s = soft_cap * torch.tanh(s / soft_cap)
+        vis = torch.ones((sq, b1 - b0), dtype=torch.bool, device=q.device)
+        if causal:
+            vis &= torch.arange(b0, b1, device=q.device)[None, :] <= q_positions[:, None]
+        if kv_valid is not None:
+            vis &= kv_valid[b0:b1][None, :]
+        s = s.masked_fill(~vis, float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(m - m_safe)
+        p = torch.exp(s - m_safe)
+        l = l * alpha + p.sum(-1, keepdim=True)
+        p_r = fp8.round_trip(p, p_format) if p_format != "fp32" else p
+        acc = acc * alpha + torch.matmul(p_r, vb)
+        if nm.acc_format != "fp32":
+            acc = fp8.round_trip(acc, nm.acc_format)
+        m = m_new
+    out = acc / l
+    lse = (m + torch.log(l)).squeeze(-1)
+    empty = l.squeeze(-1) == 0
+    out = torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out)
+    lse = torch.where(empty, torch.full_like(lse, float("-inf")), lse)
+    return out.permute(1, 0, 2), lse.permute(1, 0)
