@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlacheck.verdict import ERROR
+
 # Version of the header's layout; a reader accepts this and older.
 SCHEMA = 1
 HEADER_KEY = "mlacheck_results"
@@ -143,12 +145,17 @@ def latest_per_item(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def recorded_items(path: Path | None) -> set[ItemKey]:
-    """(backend as requested, case id) of every item the file has a verdict line for: the
-    keys `--resume` leaves out (a backend given by import path is recorded under its name)."""
+    """(backend as requested, case id) of every item the file has a verdict on the kernel
+    for: the keys `--resume` leaves out (a backend given by import path is recorded under
+    its name). An item whose latest line is a suite ERROR (out of device memory, a broken
+    input build) has no verdict on the kernel, so `--resume` runs it again."""
     if path is None or not path.exists():
         return set()
-    return {(str(r.get("backend_spec") or r.get("backend", "")), str(r.get("case_id", "")))
-            for r in read_raw(path).records}
+    latest: dict[ItemKey, str] = {}
+    for r in read_raw(path).records:
+        key = (str(r.get("backend_spec") or r.get("backend", "")), str(r.get("case_id", "")))
+        latest[key] = str(r.get("status", ""))
+    return {key for key, status in latest.items() if status != ERROR}
 
 
 def check_resumable(path: Path) -> None:

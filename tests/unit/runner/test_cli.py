@@ -164,6 +164,23 @@ def test_resume_runs_only_what_the_results_file_lacks(tiny: Path, tmp_path: Path
     assert recs[0] == json.loads(first)
 
 
+def test_resume_runs_suite_errors_again(tiny: Path, tmp_path: Path) -> None:
+    """A suite ERROR (seen on the H100: device memory exhausted by 8 workers) is no verdict on
+    the kernel: `--resume` runs that item again and its new line is what the gate reads."""
+    res = tmp_path / "results.jsonl"
+    r = mlacheck("run", "-b", "torch", "--matrix", str(tiny), "--results", str(res), "--no-report")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    header, first, *rest = res.read_text().splitlines()
+    errored = json.loads(first) | {"status": "ERROR"}
+    res.write_text("\n".join([header, json.dumps(errored), *rest]) + "\n")
+    r = mlacheck("run", "-b", "torch", "--matrix", str(tiny), "--results", str(res),
+                 "--resume", "--no-report")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"{len(rest)} item(s) already recorded" in r.stdout
+    last = records(res)[-1]
+    assert last["case_id"] == errored["case_id"] and last["status"] == "PASS"
+
+
 def test_terminal_shows_progress_without_pytest_and_xdist_noise(tiny: Path, tmp_path: Path) -> None:
     """Issue 16: no "bringing up nodes..." lines, no "[gw0] linux -- Python ..." banner above
     each failure card, no assert-rewrite or benchmark warnings; progress lines per backend x
