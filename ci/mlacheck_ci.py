@@ -176,24 +176,10 @@ def cmd_summary(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- server
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie (exited, not yet reaped by its parent shell) counts as gone
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 def cmd_wait_server(args: argparse.Namespace) -> int:
     from mlacheck.gate.errors import GateError
     from mlacheck.gate.lmeval_runner import normalize_completions_url, preflight
+    from mlacheck.processes import process_alive
 
     try:
         url = normalize_completions_url(args.url)
@@ -202,7 +188,7 @@ def cmd_wait_server(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + max(0.0, args.timeout)
     last = ""
     while True:
-        if args.pid and not _alive(args.pid):
+        if args.pid and not process_alive(args.pid):
             return _error(
                 f"the server process ({args.pid}) exited before answering at {url}"
                 + (f"; see {args.log}" if args.log else "")

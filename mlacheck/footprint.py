@@ -79,13 +79,15 @@ def estimate(case: Case) -> Footprint:
 
 
 def available_bytes(device: str) -> int | None:
-    """Memory a case may take on `device` now (None: unknown, not checked)."""
+    """Memory a case may take on `device` (None: unknown, not checked). On a GPU that is the
+    whole device, not what is free now: other workers' cases give theirs back, and
+    `mlacheck.admission` makes a case wait for that (a SKIP would depend on the schedule)."""
     import torch
 
     dev = torch.device(device)
     if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        return min(free, host_available() or free)  # inputs are built on the host first
+        _, total = torch.cuda.mem_get_info(dev)
+        return min(total, host_available() or total)  # inputs are built on the host first
     return host_available()
 
 

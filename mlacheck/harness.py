@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mlacheck import footprint, golden, judge, known, probes
+from mlacheck import admission, footprint, golden, judge, known, probes
 from mlacheck import inputs as inputs_mod
 from mlacheck.backends.base import Backend, Output, skip_reason
 from mlacheck.backends.torch_ref import TorchBackend
@@ -46,6 +46,8 @@ class RunOptions:
     # >= 2: run the backend that many times, each on freshly built inputs; the judge FAILs a
     # `determinism` check when any output (or LSE) differs bitwise from the first run's.
     repeat: int = 1
+    # the longest a GPU case waits for other workers' cases to give memory back (admission)
+    memory_wait_s: float = admission.WAIT_S
 
 
 def run_case(case: Case, backend: Backend, opts: RunOptions = RunOptions()) -> Verdict:
@@ -63,6 +65,14 @@ def _run(case: Case, backend: Backend, opts: RunOptions) -> Verdict:
     if why:
         base.reason = why
         return base
+    try:
+        with admission.reserved(case, opts.device, opts.memory_wait_s):
+            return _run_admitted(case, backend, opts, base)
+    except admission.NoRoomNow as e:
+        return _suite_error(base, "waiting for device memory", e)
+
+
+def _run_admitted(case: Case, backend: Backend, opts: RunOptions, base: Verdict) -> Verdict:
     t: dict[str, float] = {}
     clock = time.perf_counter()
     try:

@@ -336,7 +336,8 @@ def check_item(item: Item, state: _State, node: pytest.Item) -> None:
     if state.device_poisoned:
         pytest.skip(f"device context poisoned by an earlier device error ({state.device_poisoned})")
     opts = RunOptions(state.device, state.config.getoption("--mla-golden"),
-                      not state.config.getoption("--mla-no-ideal"))
+                      not state.config.getoption("--mla-no-ideal"),
+                      memory_wait_s=_memory_wait_s(state.config))
     backend = state.backend(item.backend)
     start = time.time()
     try:
@@ -363,6 +364,14 @@ def check_item(item: Item, state: _State, node: pytest.Item) -> None:
         pytest.fail(f"{verdict.summary()}\n(mlacheck's own error, not the kernel's)", pytrace=False)
     if verdict.status in (FAIL, CRASH):
         pytest.fail(verdict.summary(), pytrace=False)
+
+
+def _memory_wait_s(config: pytest.Config) -> float:
+    """A wait for device memory ends well before pytest-timeout would call the item a hang."""
+    from mlacheck import admission
+
+    timeout = float(getattr(config.option, "timeout", None) or 0)
+    return min(admission.WAIT_S, timeout / 2) if timeout > 0 else admission.WAIT_S
 
 
 _RECORDED = pytest.StashKey[bool]()
