@@ -1,4 +1,5 @@
-"""Paged KV pools: page tables (three conventions), layouts, placement, poison and guards.
+"""Paged KV pools: page tables (three conventions), placement, poison and guards (the page
+layouts themselves are in `mlacheck.layouts`).
 
 A pool is allocated on the target device and poisoned in one fill (free pages: the format's
 NaN, FP8 NaN encodings included); only live pages are then written, so build cost scales
@@ -16,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mlacheck import fp8
-from mlacheck.spec import Placement, vector_width
+from mlacheck import fp8, layouts
+from mlacheck.spec import Placement
 
 # Output buffers carry this many guard rows before and after the real rows.
 GUARD_ROWS = 2
@@ -160,31 +161,6 @@ def pool_page_count(kv_lens: Sequence[int], page_size: int, page_bytes: int,
     return _first_live_page(live, page_bytes, placement) + live + placement.spare_pages
 
 
-# --------------------------------------------------------------------------- layouts
-
-
-def to_vectorized_k(k: torch.Tensor, vec: int) -> torch.Tensor:
-    """[P, ps, H, D] -> CK vectorized K [P, H, D/vec, ps, vec]."""
-    p, ps, h, d = k.shape
-    return k.reshape(p, ps, h, d // vec, vec).permute(0, 2, 3, 1, 4).contiguous()
-
-
-def from_vectorized_k(k: torch.Tensor) -> torch.Tensor:
-    p, h, dv, ps, vec = k.shape
-    return k.permute(0, 3, 1, 2, 4).reshape(p, ps, h, dv * vec)
-
-
-def to_vectorized_v(v: torch.Tensor, vec: int) -> torch.Tensor:
-    """[P, ps, H, D] -> CK vectorized V [P, H, ps/vec, D, vec]."""
-    p, ps, h, d = v.shape
-    return v.reshape(p, ps // vec, vec, h, d).permute(0, 3, 1, 4, 2).contiguous()
-
-
-def from_vectorized_v(v: torch.Tensor) -> torch.Tensor:
-    p, h, psv, d, vec = v.shape
-    return v.permute(0, 2, 4, 1, 3).reshape(p, psv * vec, h, d)
-
-
 # --------------------------------------------------------------------------- pools
 
 
@@ -229,9 +205,7 @@ class KVPool:
 
     def linear(self) -> torch.Tensor:
         """The pool in linear layout [P, ps, H, D] (a view or a copy)."""
-        if self.layout == "linear":
-            return self.data
-        return from_vectorized_k(self.data) if self.kind == "k" else from_vectorized_v(self.data)
+        return layouts.get(self.layout).load(self.data, self.kind)
 
     @functools.cached_property
     def _indices_on_device(self) -> torch.Tensor:
@@ -242,11 +216,7 @@ class KVPool:
         """Request r's tokens [kv_len, H, D] read through the page table (fp32 if dequant)."""
         lo, hi = int(self.table.indptr[r]), int(self.table.indptr[r + 1])
         pages = self._indices_on_device[lo:hi]
-        if self.layout == "linear":
-            blk = _select_pages(self.data, pages)
-        else:
-            sub = _select_pages(self.data, pages)
-            blk = from_vectorized_k(sub) if self.kind == "k" else from_vectorized_v(sub)
+        blk = layouts.get(self.layout).load(_select_pages(self.data, pages), self.kind)
         tokens = blk.reshape(-1, *blk.shape[2:])[: int(self.table.kv_lens[r])]
         return fp8.dequantize(tokens, self.scale) if dequant else tokens
 
@@ -290,11 +260,8 @@ def build_pool(
     ps = table.page_size
     h, d = values[0].shape[1:]
     lin_shape = (ps, h, d)
-    if layout == "linear":
-        page_shape = lin_shape
-    else:
-        vec = vector_width(fmt_name)
-        page_shape = (h, d // vec, ps, vec) if kind == "k" else (h, ps // vec, d, vec)
+    stored = layouts.get(layout)
+    page_shape = stored.page_shape(ps, h, d, fmt_name, kind)
     data = torch.empty((pool_pages, *page_shape), dtype=f.dtype, device=device)
     _fill_bits(data, fmt_name, "nan")
     tail = "nan" if tail_poison == "nan" else fp8.sentinel_value(fmt_name)
@@ -303,9 +270,7 @@ def build_pool(
         blk = torch.empty((n_pages * ps, h, d), dtype=f.dtype, device=device)
         _fill_bits(blk[v.shape[0] :], fmt_name, tail)
         blk[: v.shape[0]] = v.to(device)
-        blk = blk.view(n_pages, *lin_shape)
-        if layout == "vectorized":
-            blk = to_vectorized_k(blk, vec) if kind == "k" else to_vectorized_v(blk, vec)
+        blk = stored.store(blk.view(n_pages, *lin_shape), fmt_name, kind)
         bits = fp8.int_dtype(f.dtype)  # index_copy_ has no fp8 kernels: copy the bit patterns
         data.view(bits).index_copy_(0, table.pages_of(r).to(device), blk.contiguous().view(bits))
     return KVPool(data, fmt_name, scale.to(device), table, layout, kind)

@@ -14,26 +14,19 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from mlacheck import layouts
+from mlacheck.formats import FORMAT_BYTES, FORMATS, VECTOR_BYTES, vector_width  # noqa: F401 (re-exported)
+
 # --------------------------------------------------------------------------- dims
 
 Op = Literal["mla_prefill", "mla_decode", "mla_sparse_decode", "paged_prefill"]
 OPS: tuple[str, ...] = ("mla_prefill", "mla_decode", "mla_sparse_decode", "paged_prefill")
 
-FORMATS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8_e4m3fn", "fp8_e4m3fnuz")
 ScalePolicy = Literal["unit", "amax"]
-Layout = Literal["linear", "vectorized"]
+Layout = str  # a name in mlacheck.layouts.LAYOUTS (the layouts are defined there, once)
 PlacementKind = Literal["packed", "shuffled", "high"]
 Profile = Literal["realistic", "stress"]
 TailPoison = Literal["nan", "sentinel"]
-
-# Bytes per element of each format (kept here so spec needs no torch).
-FORMAT_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3fn": 1, "fp8_e4m3fnuz": 1}
-# CK's vectorized KV layout packs 16 bytes per vector: vec = 16 // element size.
-VECTOR_BYTES = 16
-
-
-def vector_width(fmt: str) -> int:
-    return VECTOR_BYTES // FORMAT_BYTES[fmt]
 
 
 @dataclass(frozen=True)
@@ -275,14 +268,10 @@ class PrefillCase(_CaseBase):
             if self.quant.per_token:
                 raise ValueError("paged prefill takes per-tensor K/V scales (per_token is not modelled)")
             _check_page_size(self.paging.page_size)
-            vec = vector_width(self.quant.kv)
-            if self.paging.layout == "vectorized" and self.paging.page_size % vec:
-                raise ValueError(
-                    f"vectorized layout needs page_size % {vec} == 0 for {self.quant.kv} "
-                    f"(vec = 16 bytes / element), got {self.paging.page_size}"
-                )
-            if self.paging.layout not in ("linear", "vectorized"):
-                raise ValueError(f"layout must be linear or vectorized, not {self.paging.layout!r}")
+            problem = layouts.get(self.paging.layout).page_size_problem(
+                self.paging.page_size, self.quant.kv)
+            if problem:
+                raise ValueError(problem)
 
     @property
     def op(self) -> str:  # type: ignore[override]
@@ -315,7 +304,7 @@ class PrefillCase(_CaseBase):
             self.quant.slug,
             "causal" if self.causal else "full",
             f"cap{self.soft_cap:g}" if self.soft_cap else "",
-            f"p{self.paging.page_size}{self.paging.layout[:3]}" if self.paging else "",
+            f"p{self.paging.page_size}{layouts.get(self.paging.layout).tag}" if self.paging else "",
             self.placement.slug if self.paging else "",
             "stress" if self.profile == "stress" else "",
         ]

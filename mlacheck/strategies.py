@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, find, settings
 from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
+from mlacheck import layouts as kv_layouts
 from mlacheck.backends.base import Backend
 from mlacheck.boundaries import TILE_SIZES
 from mlacheck.harness import RunOptions, run_case
@@ -35,7 +36,6 @@ from mlacheck.spec import (
     Request,
     Segment,
     SparseDecodeCase,
-    vector_width,
 )
 from mlacheck.verdict import CRASH, FAIL, Verdict
 
@@ -56,7 +56,7 @@ QUANTS: tuple[Quant, ...] = (
 
 # 16 first: the page size most paths are tested with; 1 and 1024 are the rare ends.
 PAGE_SIZES: tuple[int, ...] = (16, 1, 64, 1024)
-LAYOUTS: tuple[str, ...] = ("linear", "vectorized")
+LAYOUTS: tuple[str, ...] = kv_layouts.NAMES
 PLACEMENTS: tuple[Placement, ...] = (
     Placement(),
     Placement("packed"),
@@ -157,9 +157,8 @@ def _prefill(
     paging = None
     placement = Placement()
     if paged:
-        vec = vector_width(quant.kv)
         options = [Paging(ps, lay) for lay in layouts for ps in page_sizes
-                   if lay == "linear" or ps % vec == 0]
+                   if kv_layouts.get(lay).page_size_problem(ps, quant.kv) is None]
         # order: by page size preference first, then layout (linear before vectorized)
         options.sort(key=lambda p: (list(page_sizes).index(p.page_size),
                                     list(layouts).index(p.layout)))

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mlacheck import fp8
+from mlacheck import fp8, layouts
 from mlacheck.backends.aiter.api import (
     AITER_ENV_CONTROLS,
     CALLED_PARAMETERS,
@@ -186,7 +186,7 @@ class AiterAdapter:
             "paged_prefill": Capability(
                 q_formats=("bf16", "fp16", chip_fp8), kv_formats=("bf16", "fp16", chip_fp8),
                 format_pairs=frozenset({("bf16", "bf16"), ("fp16", "fp16"), fp8_pair}),
-                scale_policies=("unit", "amax"), layouts=("linear", "vectorized"),
+                scale_policies=("unit", "amax"), layouts=layouts.NAMES,
                 soft_cap=True, devices=self.devices, refusal=api.op_problem("paged_prefill"),
                 notes="CK mha_batch_prefill_func, sglang-style page table"),
         }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlacheck import fp8, inputs, kvcache
+from mlacheck import fp8, inputs, kvcache, layouts
 from mlacheck.kvcache import PageTable
 from mlacheck.spec import (
     FORMATS,
@@ -124,16 +124,16 @@ def test_vectorized_layouts_lossless_and_ck_shaped(fmt: str) -> None:
     dtype = fp8.fmt(fmt).dtype
     raw = torch.randint(0, 256, (p, ps, h, d * dtype.itemsize), generator=g, dtype=torch.uint8)
     lin = raw.view(dtype)  # arbitrary bit patterns, NaN encodings included
-    k = kvcache.to_vectorized_k(lin, vec)
-    v = kvcache.to_vectorized_v(lin, vec)
+    k = layouts.to_vectorized_k(lin, vec)
+    v = layouts.to_vectorized_v(lin, vec)
     assert k.shape == (p, h, d // vec, ps, vec)  # CK K: [pages, H, D/vec, page_size, vec]
     assert v.shape == (p, h, ps // vec, d, vec)  # CK V: [pages, H, page_size/vec, D, vec]
     lb, kb, vb = _bits(lin), _bits(k), _bits(v)
     for pi, si, hi, di in [(0, 0, 0, 0), (2, 31, 1, 63), (1, 9, 0, 17), (1, 17, 1, vec + 1)]:
         assert kb[pi, hi, di // vec, si, di % vec] == lb[pi, si, hi, di]
         assert vb[pi, hi, si // vec, di, si % vec] == lb[pi, si, hi, di]
-    assert _bit_equal(kvcache.from_vectorized_k(k), lin)
-    assert _bit_equal(kvcache.from_vectorized_v(v), lin)
+    assert _bit_equal(layouts.from_vectorized_k(k), lin)
+    assert _bit_equal(layouts.from_vectorized_v(v), lin)
 
 
 # --------------------------------------------------------------------------- pools
