@@ -27,6 +27,7 @@ from mlacheck.backends.aiter_triton import (
     grouped_rope_factory,
     load,
 )
+from mlacheck.preflight import PreflightError, resolve_device
 from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
 
 # --------------------------------------------------------------------------- compile-only
@@ -222,9 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.compile_only:
         return _compile_main(args)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = resolve_device(args.device)
+    except PreflightError as e:
+        print(f"aiter_triton_check: {e}", file=sys.stderr)
+        return 2
     backends = [factory()] + ([grouped_rope_factory()] if args.rope else [])
     got = load()
     info = {"torch": torch.__version__, "hip": torch.version.hip, "device": device,

@@ -347,3 +347,5 @@ def test_check_tool_lives_apart_and_says_why_nothing_ran(capsys: pytest.CaptureF
         pytest.skip("AITER's Triton kernels are importable here")
     assert aiter_triton_check.main(["--device", "cpu"]) == 0
     assert "SKIP all: " in capsys.readouterr().out
+    assert aiter_triton_check.main(["--device", "tpu"]) == 2  # the suite's one device check
+    assert "unknown device 'tpu'" in capsys.readouterr().err
