@@ -22,6 +22,8 @@ from mlacheck.inputs import Inputs, PrefillInputs
 from mlacheck.kvcache import byte_region
 from mlacheck.localise import (
     diagnose,
+    heatmap,
+    heatmap_block,
     localise,
     pool_of,
     request_bounds,
@@ -248,26 +250,6 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
         found_axis = diagnose(case, inputs, failing, err, out, bound, k_bad & ~g_bad)
         if found_axis is not None:
             v.diagnosis, v.metrics["axis"] = found_axis.text, found_axis.axis
-
-
-HEATMAP_MAX = (256, 128)  # rows x heads kept in a report heat map (max-pooled beyond that)
-
-
-def heatmap_block(shape: tuple[int, ...]) -> list[int]:
-    """(tokens, heads) pooled into one heat-map cell."""
-    return [-(-shape[0] // HEATMAP_MAX[0]), -(-shape[1] // HEATMAP_MAX[1])]
-
-
-def heatmap(err: torch.Tensor) -> list[list[float]]:
-    """Per-row errors [T, H] for the report, max-pooled down to HEATMAP_MAX."""
-    t, h = err.shape
-    ft, fh = heatmap_block(err.shape)
-    e = err.float()
-    if ft > 1 or fh > 1:
-        pad_t, pad_h = ft * -(-t // ft) - t, fh * -(-h // fh) - h
-        e = torch.nn.functional.pad(e, (0, pad_h, 0, pad_t), value=0.0)
-        e = e.reshape(e.shape[0] // ft, ft, e.shape[1] // fh, fh).amax(dim=(1, 3))
-    return [[x if x != float("inf") else 1e30 for x in row] for row in e.tolist()]
 
 
 def _check_ideal(case: Case, inputs: Inputs, out: torch.Tensor, b_out: torch.Tensor, ideal: Result,

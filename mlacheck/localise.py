@@ -1,4 +1,5 @@
-"""Where a failure lives: which rows, and along which axis the bug acts.
+"""Where a failure lives: which rows, along which axis the bug acts, and the error heat map
+(tokens x heads, pooled) that the report draws.
 
 `localise` groups bad rows [T, H] by request (decode) or segment (prefill): token range,
 heads, worst error, pages and pool bytes. `diagnose` reads the pattern of the bad rows and
@@ -341,4 +342,28 @@ def _operands(case: Case, inputs: Inputs, u: int) -> tuple[Operand, Operand, Ope
     return q, k, v
 
 
-__all__ = ["Diagnosis", "diagnose", "localise", "request_bounds", "shared_properties"]
+__all__ = ["Diagnosis", "diagnose", "heatmap", "heatmap_block", "localise", "request_bounds",
+           "shared_properties"]
+
+
+# --------------------------------------------------------------------------- heat map
+
+HEATMAP_MAX = (256, 128)  # rows x heads kept in a report heat map (max-pooled beyond that)
+HEATMAP_NONFINITE = 1e30  # a non-finite row's cell (JSON has no inf); report/plots.py reads it
+
+
+def heatmap_block(shape: tuple[int, ...]) -> list[int]:
+    """(tokens, heads) pooled into one heat-map cell."""
+    return [-(-shape[0] // HEATMAP_MAX[0]), -(-shape[1] // HEATMAP_MAX[1])]
+
+
+def heatmap(err: torch.Tensor) -> list[list[float]]:
+    """Per-row errors [T, H] for the report, max-pooled down to HEATMAP_MAX."""
+    t, h = err.shape
+    ft, fh = heatmap_block(err.shape)
+    e = err.float()
+    if ft > 1 or fh > 1:
+        pad_t, pad_h = ft * -(-t // ft) - t, fh * -(-h // fh) - h
+        e = torch.nn.functional.pad(e, (0, pad_h, 0, pad_t), value=0.0)
+        e = e.reshape(e.shape[0] // ft, ft, e.shape[1] // fh, fh).amax(dim=(1, 3))
+    return [[x if x != float("inf") else HEATMAP_NONFINITE for x in row] for row in e.tolist()]
