@@ -7,6 +7,9 @@
   block-quantised weights with a `<name>_scale_inv` tensor per weight; they are dequantised
   on load (`weight_block_size`, default 128 x 128).
 * Layers past `num_hidden_layers` (DeepSeek-V3's multi-token-prediction layer 61) are skipped.
+* transformers' fused routed-expert layout (`mlp.experts.gate_up_proj` [E, 2I, H] and
+  `mlp.experts.down_proj` [E, H, I], what `DeepseekV3NaiveMoe` holds) is split on load into
+  the per-expert `mlp.experts.N.{gate,up,down}_proj.weight` the model uses.
 * `model.pt` (a torch state dict) is read when there is no safetensors file.
 
 `safetensors` is imported only when a safetensors file is read or written.
@@ -28,6 +31,12 @@ SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_STATE = "model.pt"
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+# transformers' fused experts (modeling_deepseek_v3.py, DeepseekV3NaiveMoe):
+#     self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+#     self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+_FUSED_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+# a dense MLP's weights (what DeepSeek's moe_layer_freq puts between MoE layers)
+_DENSE_MLP_RE = re.compile(r"^model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.weight$")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 DEFAULT_FP8_BLOCK = (128, 128)
@@ -84,6 +93,39 @@ def dequant_block_fp8(
     return w.float() * s[:, :in_f]
 
 
+def split_fused_experts(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """transformers' fused `<prefix>.gate_up_proj` [E, 2I, H] / `<prefix>.down_proj` [E, H, I]
+    -> the per-expert `<prefix>.N.{gate,up,down}_proj.weight` ([I, H], [I, H], [H, I]).
+
+    The layout is transformers': its checkpoint conversion for deepseek_v3 (conversion_mapping.py,
+    `mapping["deepseek_v3"] = mapping["qwen2_moe"]`) builds gate_up_proj from
+    `mlp.experts.*.gate_proj.weight`, `mlp.experts.*.up_proj.weight` with
+    `[MergeModulelist(dim=0), Concatenate(dim=1)]` (gate rows first), and the experts use it as
+    `gate, up = nn.functional.linear(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)`
+    and `nn.functional.linear(current_hidden_states, self.down_proj[expert_idx])`."""
+    m = _FUSED_RE.match(name)
+    assert m is not None
+    prefix, kind = m.groups()
+    if t.dim() != 3:
+        raise E2EError(
+            f"{name}: fused experts must be 3-D [experts, out, in], got {tuple(t.shape)}"
+        )
+    out: list[tuple[str, torch.Tensor]] = []
+    if kind == "down_proj":
+        for e in range(t.shape[0]):
+            out.append((f"{prefix}.{e}.down_proj.weight", t[e]))
+        return out
+    if t.shape[1] % 2:
+        raise E2EError(
+            f"{name}: gate_up_proj rows must be 2 x moe_intermediate_size, got {t.shape[1]}"
+        )
+    inter = t.shape[1] // 2
+    for e in range(t.shape[0]):
+        out.append((f"{prefix}.{e}.gate_proj.weight", t[e, :inter]))
+        out.append((f"{prefix}.{e}.up_proj.weight", t[e, inter:]))
+    return out
+
+
 def load_model(
     directory: Path | str,
     device: torch.device | str = "cpu",
@@ -121,6 +163,8 @@ def load_model(
                 continue
             if name.endswith("_scale_inv") or t.dtype in _FP8:
                 base = name.removesuffix("_scale_inv")
+                if _FUSED_RE.match(base):  # per-expert FP8 blocks of a 3-D tensor: not modelled
+                    raise E2EError(f"{name}: FP8 fused expert tensors are not supported")
                 other = name + "_scale_inv" if base == name else base
                 if other in pending:
                     w, s = (t, pending.pop(other)) if base == name else (pending.pop(other), t)
@@ -131,6 +175,16 @@ def load_model(
                 else:
                     pending[name] = t
                 continue
+            if _FUSED_RE.match(name):
+                n_exp = cfg.n_routed_experts or 0
+                if t.dim() == 3 and t.shape[0] != n_exp:
+                    raise E2EError(f"{name}: {t.shape[0]} experts, config has {n_exp}")
+                for part, pt in split_fused_experts(name, t):
+                    if part in params:
+                        put(part, pt)
+                    else:
+                        unexpected.append(part)
+                continue
             if name in params:
                 put(name, t)
             else:
@@ -138,6 +192,13 @@ def load_model(
     if pending:
         raise E2EError(
             f"FP8 weights without scales (or scales without weights): {sorted(pending)[:4]}"
+        )
+    dense_in_moe = [n for n in unexpected if _DENSE_MLP_RE.match(n)]
+    if dense_in_moe and cfg.moe_layer_freq != 1:
+        raise E2EError(
+            f"moe_layer_freq {cfg.moe_layer_freq} not supported: the checkpoint has dense MLPs in "
+            f"MoE layers (e.g. {sorted(dense_in_moe)[0]}); transformers' DeepseekV3 ignores "
+            f"moe_layer_freq and makes every layer >= first_k_dense_replace MoE"
         )
     if unexpected:
         raise E2EError(

@@ -8,6 +8,12 @@ checkpoint's config round-trips). Both spellings of rotary scaling are read: the
 The attention softmax scale is the model's, computed the way DeepSeek computes it:
 `1/sqrt(qk_nope + qk_rope)`, times `yarn_get_mscale(factor, mscale_all_dim)^2` when YaRN
 scaling is configured — i.e. `mlacheck.spec.softmax_scale` of `mla_dims`.
+
+Where transformers' `DeepseekV3*` classes and DeepSeek's own remote code
+(`modeling_deepseek.py`) disagree, this follows transformers (the reference the unit tests
+compare logits against; docs/e2e.md §1 lists the cases): YaRN's cos/sin scale when only one of
+`mscale` / `mscale_all_dim` is set, `original_max_position_embeddings` when absent, and
+`moe_layer_freq` (ignored). What neither path here models is refused with an `E2EError`.
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ class RopeScaling:
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
+    # None = absent from the config. Not the same as 1.0: transformers' YaRN ignores `mscale`
+    # unless `mscale_all_dim` is set too, and then an absent `mscale` is not 1 (cos_sin_scale).
+    mscale: float | None = None
+    mscale_all_dim: float = 0.0  # absent == 0 everywhere (transformers tests truthiness)
     attention_factor: float | None = None  # explicit cos/sin scale (transformers key)
 
     def to_dict(self) -> dict[str, Any]:
@@ -49,19 +57,37 @@ class RopeScaling:
             "original_max_position_embeddings": self.original_max_position_embeddings,
             "beta_fast": self.beta_fast,
             "beta_slow": self.beta_slow,
-            "mscale": self.mscale,
             "mscale_all_dim": self.mscale_all_dim,
         }
+        if self.mscale is not None:  # absent stays absent (see `mscale`)
+            d["mscale"] = self.mscale
         if self.attention_factor is not None:
             d["attention_factor"] = self.attention_factor
         return d
 
     @property
     def cos_sin_scale(self) -> float:
-        """DeepSeek's `_mscale`: mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+        """The factor on cos/sin, as transformers' `_compute_yarn_parameters`
+        (src/transformers/modeling_rope_utils.py) sets `attention_factor`:
+
+            if attention_factor is None:
+                if mscale and mscale_all_dim:
+                    attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+                else:
+                    attention_factor = get_mscale(factor)
+
+        DeepSeek's remote code instead always takes `yarn_get_mscale(factor, mscale) /
+        yarn_get_mscale(factor, mscale_all_dim)` with defaults mscale 1, mscale_all_dim 0; the
+        two agree when both keys are set (DeepSeek-V3: 1.0) or mscale is 1 and mscale_all_dim
+        absent, and differ otherwise (e.g. mscale 0.707 alone: 1.369 here, 1.261 there).
+        """
         if self.attention_factor is not None:
             return float(self.attention_factor)
-        return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return yarn_mscale(self.factor, 1.0)  # transformers' get_mscale(factor), mscale=1
 
 
 @dataclass(frozen=True)
@@ -92,7 +118,7 @@ class ModelConfig:
     # Mixture of experts (layers >= first_k_dense_replace); an all-dense model sets
     # first_k_dense_replace = num_hidden_layers (or n_routed_experts = None).
     first_k_dense_replace: int = 0
-    moe_layer_freq: int = 1
+    moe_layer_freq: int = 1  # carried for the round trip only: ignored, as transformers does
     n_routed_experts: int | None = None
     n_shared_experts: int | None = None
     num_experts_per_tok: int | None = None
@@ -143,11 +169,13 @@ class ModelConfig:
         return bool(self.n_routed_experts) and self.first_k_dense_replace < self.num_hidden_layers
 
     def is_moe_layer(self, i: int) -> bool:
-        return (
-            self.is_moe_model
-            and i >= self.first_k_dense_replace
-            and i % max(1, self.moe_layer_freq) == 0
-        )
+        """Every layer from `first_k_dense_replace` on, as transformers' `DeepseekV3DecoderLayer`
+        builds it (`if layer_idx >= config.first_k_dense_replace: self.mlp =
+        DeepseekV3MoE(config)`): `moe_layer_freq` is not read there (it is not a
+        `DeepseekV3Config` argument). DeepSeek's remote code also requires
+        `layer_idx % moe_layer_freq == 0`; such a checkpoint (dense MLPs between MoE layers)
+        is refused on load, naming moe_layer_freq (checkpoint.load_model)."""
+        return self.is_moe_model and i >= self.first_k_dense_replace
 
     @property
     def mla_dims(self) -> MLADims:
@@ -207,7 +235,7 @@ class ModelConfig:
                 f"model_type {model_type!r} is not a DeepSeek-V2/V3 (MLA) architecture "
                 f"(known: {', '.join(MODEL_TYPES)})"
             )
-        rope_theta, scaling = _rope_from(d)
+        rope_theta, scaling = _rope_from(d, d.get("max_position_embeddings"))
         names = {f.name for f in fields(cls)} - {"rope_scaling", "rope_theta", "extra"}
         kwargs: dict[str, Any] = {k: d.pop(k) for k in list(d) if k in names}
         for k in ("rope_scaling", "rope_parameters", "rope_theta"):
@@ -295,7 +323,9 @@ class ModelConfig:
         p.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _rope_from(d: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+def _rope_from(
+    d: Mapping[str, Any], max_position_embeddings: Any
+) -> tuple[float, RopeScaling | None]:
     params = d.get("rope_parameters")
     legacy = d.get("rope_scaling")
     theta = d.get("rope_theta")
@@ -313,22 +343,42 @@ def _rope_from(d: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         return theta_f, None
     if kind != "yarn":
         raise E2EError(f"rope scaling {kind!r} not supported (DeepSeek models use yarn)")
-    factor = float(spec["factor"])
+    # transformers' `standardize_rope_params` (modeling_rope_utils.py), for yarn:
+    # `self.rope_parameters.setdefault("original_max_position_embeddings",
+    # self.max_position_embeddings)`; DeepseekV3Config's max_position_embeddings defaults to
+    # 4096. (DeepSeek's remote code defaults original_max_position_embeddings to 4096.)
+    max_pos = int(max_position_embeddings) if max_position_embeddings is not None else 4096
+    orig = spec.get("original_max_position_embeddings")
+    orig_i = int(orig) if orig is not None else max_pos
+    if orig_i < 1:
+        raise E2EError(f"bad YaRN original_max_position_embeddings {orig}")
+    # `_compute_yarn_parameters`: `if factor is None: factor = config.max_position_embeddings /
+    # original_max_position_embeddings`
+    raw_factor = spec.get("factor")
+    factor = float(raw_factor) if raw_factor is not None else max_pos / orig_i
     if not math.isfinite(factor) or factor <= 0:
         raise E2EError(f"bad YaRN factor {factor}")
+    # `truncate` (transformers: floor/ceil the correction range unless False) is not modelled:
+    # rope.yarn_inv_freq always truncates, as DeepSeek's code does.
+    if not spec.get("truncate", True):  # transformers: `if truncate:` (a null is falsy too)
+        raise E2EError("rope scaling truncate=false not supported (YaRN ramp is truncated)")
 
     def num(key: str, default: float) -> float:
+        # transformers: `rope_parameters_dict.get("beta_fast") or 32` (likewise beta_slow or 1):
+        # a missing, null or zero value takes the default
         v = spec.get(key)  # type: ignore[union-attr]
-        return float(v) if v is not None else default
+        return float(v) if v else default
 
     af = spec.get("attention_factor")
+    ms = spec.get("mscale")
+    msad = spec.get("mscale_all_dim")
     return theta_f, RopeScaling(
         factor=factor,
-        original_max_position_embeddings=int(spec.get("original_max_position_embeddings", 4096)),
+        original_max_position_embeddings=orig_i,
         beta_fast=num("beta_fast", 32.0),
         beta_slow=num("beta_slow", 1.0),
-        mscale=num("mscale", 1.0),
-        mscale_all_dim=num("mscale_all_dim", 0.0),
+        mscale=float(ms) if ms is not None else None,
+        mscale_all_dim=float(msad) if msad is not None else 0.0,
         attention_factor=float(af) if af is not None else None,
     )
 

@@ -140,7 +140,19 @@ class Router(nn.Module):
             choice = choice.masked_fill(~emask, float("-inf"))
         idx = choice.topk(k, dim=-1, sorted=False)[1]
         w = scores.gather(1, idx)
-        normalised = k > 1 and cfg.norm_topk_prob
+        if cfg.model_type == "deepseek_v2":
+            # DeepSeek-V2's remote MoEGate: `if self.top_k > 1 and self.norm_topk_prob:`
+            # normalise, else scale by routed_scaling_factor (unchanged; V2 is not compared
+            # with transformers here)
+            normalised = k > 1 and cfg.norm_topk_prob
+        else:
+            # transformers' DeepseekV3MoE.route_tokens_to_experts (modeling_deepseek_v3.py):
+            #     if self.norm_topk_prob:
+            #         denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+            #         topk_weights /= denominator
+            #     topk_weights = topk_weights * self.routed_scaling_factor
+            # for every top-k, 1 included (DeepSeek's remote code: only when top_k > 1)
+            normalised = cfg.norm_topk_prob
         if normalised:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         if cfg.model_type != "deepseek_v2" or not normalised:

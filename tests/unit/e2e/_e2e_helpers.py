@@ -3,12 +3,46 @@ DeepSeek-V3-architecture model."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 
 from mlacheck.e2e.config import DEEPSEEK_V3_ROPE_SCALING, ModelConfig
 from mlacheck.e2e.model import MLAModel
+
+# A routed mixture of experts for tiny_config: V3's noaux_tc router (sigmoid, 2 groups of 4,
+# correction bias), top-2 of 8 experts plus one shared expert.
+MOE: dict[str, Any] = dict(
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+)
+
+
+def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A per-expert state dict in transformers' fused layout, built the way transformers'
+    checkpoint conversion for deepseek_v3 builds it (conversion_mapping.py: gate_proj / up_proj
+    `[MergeModulelist(dim=0), Concatenate(dim=1)]` -> `mlp.experts.gate_up_proj` [E, 2I, H];
+    down_proj `[MergeModulelist(dim=0)]` -> `mlp.experts.down_proj` [E, H, I])."""
+    out = dict(state)
+    prefixes = sorted(
+        {k.rsplit(".", 3)[0] for k in state if re.search(r"\.mlp\.experts\.\d+\.", k)}
+    )
+    for pre in prefixes:  # "model.layers.N.mlp.experts"
+        n = 1 + max(int(k[len(pre) + 1 :].split(".")[0]) for k in state if k.startswith(pre + "."))
+        gate = torch.stack([out.pop(f"{pre}.{e}.gate_proj.weight") for e in range(n)])
+        up = torch.stack([out.pop(f"{pre}.{e}.up_proj.weight") for e in range(n)])
+        out[f"{pre}.gate_up_proj"] = torch.cat([gate, up], dim=1).contiguous()
+        out[f"{pre}.down_proj"] = torch.stack(
+            [out.pop(f"{pre}.{e}.down_proj.weight") for e in range(n)]
+        ).contiguous()
+    return out
 
 
 def tiny_config(**over: Any) -> ModelConfig:

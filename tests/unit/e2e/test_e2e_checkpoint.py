@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _e2e_helpers import tiny_model
+from _e2e_helpers import MOE, fuse_experts, tiny_model
 
 from mlacheck.e2e.checkpoint import dequant_block_fp8, load_model, save_model
 from mlacheck.e2e.config import E2EError
@@ -107,4 +107,66 @@ def test_incomplete_or_foreign_checkpoints_are_refused(tmp_path: Path) -> None:
         load_model(tmp_path)
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(E2EError, match="has no weights"):
+        load_model(tmp_path)
+
+
+def _write(tmp_path: Path, m: MLAModel, state: dict, config: dict | None = None) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config or m.config.to_dict()))
+    safetensors_torch.save_file(
+        {k: v.detach().contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors")
+    )
+
+
+def test_transformers_fused_expert_layout_loads(tmp_path: Path) -> None:
+    """transformers' save layout: `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) and
+    `mlp.experts.down_proj` [E, H, I] are split into the per-expert weights."""
+    m = tiny_model(**{**MOE, "first_k_dense_replace": 0})
+    state = fuse_experts(m.state_dict())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    assert not any(".experts.0." in k for k in state)
+    _write(tmp_path, m, state)
+    back = load_model(tmp_path)
+    _same(m, back)
+    ids = torch.tensor([[1, 4, 9, 16, 25, 36, 49]])
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids), m(ids))
+    # the gate half is the first: swapping the halves must change the weights
+    swapped = dict(state)
+    gu = state["model.layers.0.mlp.experts.gate_up_proj"]
+    swapped["model.layers.0.mlp.experts.gate_up_proj"] = torch.cat(gu.chunk(2, dim=1)[::-1], dim=1)
+    _write(tmp_path, m, swapped)
+    wrong = load_model(tmp_path).model.layers[0].mlp.experts[3].gate_proj.weight
+    assert torch.equal(wrong, m.model.layers[0].mlp.experts[3].up_proj.weight)
+
+
+def test_bad_fused_experts_are_one_line_errors(tmp_path: Path) -> None:
+    m = tiny_model(**MOE)
+    state = fuse_experts(m.state_dict())
+    name = "model.layers.1.mlp.experts.down_proj"
+    _write(tmp_path, m, {**state, name: state[name][:5]})
+    with pytest.raises(E2EError, match="down_proj: 5 experts, config has 8"):
+        load_model(tmp_path)
+    _write(tmp_path, m, {**state, name: state[name][0]})
+    with pytest.raises(E2EError, match="fused experts must be 3-D"):
+        load_model(tmp_path)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    _write(tmp_path, m, {**state, name: state[name][:, :-1]})
+    with pytest.raises(E2EError, match="gate_up_proj rows must be 2 x moe_intermediate_size"):
+        load_model(tmp_path)
+
+
+def test_moe_layer_freq_checkpoints(tmp_path: Path) -> None:
+    """moe_layer_freq 2 is ignored, as transformers does: a checkpoint routed in every layer
+    >= first_k_dense_replace (what transformers saves) loads; one with DeepSeek's remote-code
+    layout (a dense MLP in layer 1) is refused, naming moe_layer_freq."""
+    m = tiny_model(**{**MOE, "first_k_dense_replace": 0}, moe_layer_freq=2)
+    _write(tmp_path, m, m.state_dict())
+    _same(m, load_model(tmp_path))
+    state = {k: v for k, v in m.state_dict().items() if not k.startswith("model.layers.1.mlp.")}
+    h, inter = m.config.hidden_size, m.config.intermediate_size
+    state["model.layers.1.mlp.gate_proj.weight"] = torch.zeros(inter, h)
+    state["model.layers.1.mlp.up_proj.weight"] = torch.zeros(inter, h)
+    state["model.layers.1.mlp.down_proj.weight"] = torch.zeros(h, inter)
+    _write(tmp_path, m, state)
+    with pytest.raises(E2EError, match=r"^moe_layer_freq 2 not supported: .*model\.layers\.1\.mlp"):
         load_model(tmp_path)

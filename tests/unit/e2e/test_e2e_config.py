@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
-from _e2e_helpers import tiny_model
+from _e2e_helpers import MOE, tiny_config, tiny_model
 
 from mlacheck.e2e.config import E2EError, ModelConfig
+from mlacheck.e2e.model import MLP, MLAModel, MoE
 from mlacheck.spec import DEEPSEEK_V3
 
 # DeepSeek-V3's config.json (hub), the keys that matter here.
@@ -97,8 +99,94 @@ def test_mscale_all_dim_absent_leaves_the_scale_alone() -> None:
     cfg = ModelConfig.from_dict(d)
     assert cfg.softmax_scale == pytest.approx(192**-0.5)
     assert cfg.rope_scaling is not None and cfg.rope_scaling.cos_sin_scale == pytest.approx(
-        0.1 * 1.0 * __import__("math").log(40) + 1
+        0.1 * 1.0 * math.log(40) + 1
     )
+
+
+# transformers' `_compute_yarn_parameters` (modeling_rope_utils.py):
+#     if attention_factor is None:
+#         if mscale and mscale_all_dim:
+#             attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+#         else:
+#             attention_factor = get_mscale(factor)
+# with get_mscale(scale, mscale=1) = 0.1 * mscale * log(scale) + 1.
+GET_MSCALE_40 = 0.1 * math.log(40) + 1  # 1.36889
+
+
+@pytest.mark.parametrize(
+    "keys, cos_sin, softmax_mscale",
+    [
+        # mscale alone: ignored by transformers (DeepSeek's remote code: 0.1*0.707*ln40+1 = 1.261)
+        ({"mscale": 0.707}, GET_MSCALE_40, 1.0),
+        # mscale_all_dim alone (mscale absent): transformers get_mscale(factor); DeepSeek's code
+        # (mscale defaulting to 1) gave get_mscale(40, 1) / get_mscale(40, 1) = 1
+        ({"mscale_all_dim": 1.0}, GET_MSCALE_40, GET_MSCALE_40),
+        # both: the ratio, as both implementations compute it
+        (
+            {"mscale": 0.707, "mscale_all_dim": 1.0},
+            (0.1 * 0.707 * math.log(40) + 1) / GET_MSCALE_40,
+            GET_MSCALE_40,
+        ),
+        # neither
+        ({}, GET_MSCALE_40, 1.0),
+        # an explicit attention_factor wins
+        ({"mscale": 1.0, "mscale_all_dim": 1.0, "attention_factor": 0.5}, 0.5, GET_MSCALE_40),
+    ],
+    ids=["mscale-only", "mscale-all-dim-only", "both", "neither", "attention-factor"],
+)
+def test_yarn_cos_sin_scale_follows_transformers(
+    keys: dict, cos_sin: float, softmax_mscale: float
+) -> None:
+    d = json.loads(json.dumps(DEEPSEEK_V3_CONFIG))
+    rs = {k: v for k, v in d["rope_scaling"].items() if k not in ("mscale", "mscale_all_dim")}
+    d["rope_scaling"] = {**rs, **keys}
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.rope_scaling is not None
+    assert cfg.rope_scaling.cos_sin_scale == pytest.approx(cos_sin, rel=1e-12)
+    # the attention scale: transformers' DeepseekV3Attention multiplies by
+    # yarn_get_mscale(factor, mscale_all_dim)^2 only `if mscale_all_dim`
+    assert cfg.softmax_scale == pytest.approx(softmax_mscale**2 / math.sqrt(192), rel=1e-12)
+    # an absent key stays absent through a save / load round trip (absent mscale != 1.0)
+    again = ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg
+    assert ("mscale" in cfg.to_dict()["rope_scaling"]) is ("mscale" in keys)
+    # and the model's rotary tables carry it
+    small = tiny_config(rope_scaling=cfg.rope_scaling)
+    assert MLAModel(small).rotary.scale == pytest.approx(cos_sin, rel=1e-12)
+
+
+def test_yarn_defaults_follow_transformers() -> None:
+    """Absent `original_max_position_embeddings`: transformers' standardize_rope_params sets it
+    to max_position_embeddings (DeepSeek's code: 4096); absent `factor`: max_position_embeddings
+    / original_max_position_embeddings; `beta_fast` / `beta_slow` of 0 or null: 32 / 1."""
+    d = json.loads(json.dumps(DEEPSEEK_V3_CONFIG))
+    rs = d["rope_scaling"]
+    del rs["original_max_position_embeddings"]
+    rs["beta_fast"], rs["beta_slow"] = 0, None
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.rope_scaling is not None
+    assert cfg.rope_scaling.original_max_position_embeddings == 163840
+    assert (cfg.rope_scaling.beta_fast, cfg.rope_scaling.beta_slow) == (32.0, 1.0)
+    d = json.loads(json.dumps(DEEPSEEK_V3_CONFIG))
+    del d["rope_scaling"]["factor"]
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 163840 / 4096
+
+
+def test_moe_layer_freq_is_ignored_as_transformers_does() -> None:
+    """transformers' DeepseekV3DecoderLayer: `if layer_idx >= config.first_k_dense_replace:
+    self.mlp = DeepseekV3MoE(config)` — every layer from first_k_dense_replace on is routed,
+    whatever moe_layer_freq says (DeepSeek's remote code: only layers with idx % freq == 0)."""
+    cfg = tiny_config(
+        **{**MOE, "first_k_dense_replace": 1, "num_hidden_layers": 4}, moe_layer_freq=2
+    )
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+    m = MLAModel(cfg)
+    assert [type(layer.mlp) for layer in m.model.layers] == [MLP, MoE, MoE, MoE]
+    # (the correction bias is a buffer in transformers' DeepseekV3TopkRouter, not counted)
+    params = [p for n, p in m.named_parameters() if not n.endswith("e_score_correction_bias")]
+    assert cfg.num_parameters() == sum(p.numel() for p in params)
+    assert ModelConfig.from_dict(cfg.to_dict()).moe_layer_freq == 2  # carried, not used
 
 
 @pytest.mark.parametrize(
@@ -108,6 +196,10 @@ def test_mscale_all_dim_absent_leaves_the_scale_alone() -> None:
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "not supported"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"kv_lora_rank": None}, "lacks kv_lora_rank"),
+        (
+            {"rope_scaling": {**DEEPSEEK_V3_CONFIG["rope_scaling"], "truncate": False}},
+            "truncate=false not supported",
+        ),
     ],
 )
 def test_bad_configs_are_one_line_errors(change: dict, message: str) -> None:

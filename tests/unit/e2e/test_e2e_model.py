@@ -3,10 +3,14 @@ pieces give the same attention in the MHA and the absorbed view."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from _e2e_helpers import tiny_config, tiny_model
+from _e2e_helpers import MOE, fuse_experts, tiny_config, tiny_model
 
+from mlacheck.e2e.checkpoint import load_model
+from mlacheck.e2e.config import RopeScaling
 from mlacheck.e2e.model import MLAModel, math_attention, sdpa_attention
 from mlacheck.inputs import absorb_q, unabsorb_out
 
@@ -17,29 +21,21 @@ def _hf(model: MLAModel):  # noqa: ANN202
     hc._attn_implementation = "eager"
     hf = transformers.DeepseekV3ForCausalLM(hc).eval()
     state = dict(model.state_dict())
-    hf_state = hf.state_dict()
     # transformers 5 keeps routed experts fused: gate_up_proj [E, 2I, H], down_proj [E, H, I]
-    for name in list(hf_state):
-        if name.endswith("mlp.experts.gate_up_proj"):
-            pre = name.removesuffix("gate_up_proj")
-            n = hf_state[name].shape[0]
-            state[name] = torch.stack(
-                [
-                    torch.cat(
-                        [
-                            state.pop(f"{pre}{e}.gate_proj.weight"),
-                            state.pop(f"{pre}{e}.up_proj.weight"),
-                        ]
-                    )
-                    for e in range(n)
-                ]
-            )
-            state[pre + "down_proj"] = torch.stack(
-                [state.pop(f"{pre}{e}.down_proj.weight") for e in range(n)]
-            )
+    if any(k.endswith("mlp.experts.gate_up_proj") for k in hf.state_dict()):
+        state = fuse_experts(state)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and not [m for m in missing if "rotary" not in m], (missing, unexpected)
     return hf
+
+
+def _bias_the_routers(model: MLAModel) -> None:
+    """A non-zero correction bias in every routed layer, so that it matters."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, 8))
 
 
 @pytest.mark.parametrize(
@@ -51,34 +47,59 @@ def _hf(model: MLAModel):  # noqa: ANN202
         {"rope_scaling": None},
         {"tie_word_embeddings": True},
         # mixture of experts: layer 1 routed (V3 noaux_tc: sigmoid, groups, correction bias)
-        {
-            "first_k_dense_replace": 1,
-            "n_routed_experts": 8,
-            "n_shared_experts": 1,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 16,
-            "n_group": 2,
-            "topk_group": 1,
-            "routed_scaling_factor": 2.5,
-        },
+        MOE,
+        # the settings where transformers and DeepSeek's remote code differ (docs/e2e.md §1):
+        # top-1 routing normalised (weight 1 x routed_scaling_factor)
+        {**MOE, "num_experts_per_tok": 1, "norm_topk_prob": True},
+        # moe_layer_freq ignored: both layers routed
+        {**MOE, "first_k_dense_replace": 0, "moe_layer_freq": 2},
+        # YaRN cos/sin scale with only one of mscale / mscale_all_dim
+        {"rope_scaling": RopeScaling(factor=40.0, mscale=0.707)},
+        {"rope_scaling": RopeScaling(factor=40.0, mscale_all_dim=0.707)},
     ],
-    ids=["dense", "q-lora", "no-interleave", "no-yarn", "tied", "moe"],
+    ids=[
+        "dense",
+        "q-lora",
+        "no-interleave",
+        "no-yarn",
+        "tied",
+        "moe",
+        "moe-top1-norm",
+        "moe-layer-freq-2",
+        "yarn-mscale-only",
+        "yarn-mscale-all-dim-only",
+    ],
 )
 def test_logits_match_transformers(over: dict) -> None:
     model = tiny_model(**over)
-    if over.get("n_routed_experts"):
-        with torch.no_grad():  # a non-zero correction bias, so that it matters
-            gate = model.model.layers[1].mlp.gate
-            gate.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, 8))
+    _bias_the_routers(model)
     hf = _hf(model)
     ids = torch.randint(0, 100, (2, 29), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours, theirs = model(ids, math_attention), hf(ids).logits
     assert hf.model.layers[0].self_attn.scaling == pytest.approx(model.config.softmax_scale)
+    assert hf.model.rotary_emb.attention_scaling == pytest.approx(model.rotary.scale)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     # and the training path (SDPA) agrees with the written-out softmax
     with torch.no_grad():
         torch.testing.assert_close(model(ids, sdpa_attention), ours, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("over", [{}, MOE], ids=["dense", "moe"])
+def test_transformers_saved_checkpoint_loads_with_the_same_logits(
+    tmp_path: Path, over: dict
+) -> None:
+    """What `DeepseekV3ForCausalLM.save_pretrained` writes (config.json in transformers'
+    spelling, fused experts in transformers 5) loads here and gives transformers' logits."""
+    pytest.importorskip("safetensors", reason="needs safetensors")
+    model = tiny_model(**over)
+    _bias_the_routers(model)
+    hf = _hf(model)
+    hf.save_pretrained(tmp_path)
+    back = load_model(tmp_path)
+    ids = torch.randint(0, 100, (2, 29), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids, math_attention), hf(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_mha_and_absorbed_views_agree() -> None:
@@ -126,3 +147,26 @@ def test_v2_softmax_router_picks_the_top_experts() -> None:
     assert sorted(idx[0].tolist()) == [1, 3]
     p = torch.softmax(x[0, :4], 0)
     assert sorted(w[0].tolist()) == pytest.approx(sorted([p[1].item(), p[3].item()]))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_top1_routing_normalises_as_transformers_does(norm: bool) -> None:
+    """transformers' DeepseekV3MoE.route_tokens_to_experts normalises the top-k weights whenever
+    norm_topk_prob is set, k = 1 included (weight 1, times routed_scaling_factor); DeepSeek's
+    remote code only for k > 1 (it would give sigmoid(logit) x routed_scaling_factor)."""
+    cfg = tiny_config(
+        **{**MOE, "first_k_dense_replace": 0, "num_experts_per_tok": 1}, norm_topk_prob=norm
+    )
+    router = MLAModel(cfg).model.layers[0].mlp.gate
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        router.weight.copy_(
+            torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(4))
+        )
+        w, idx = router(x)
+    assert idx.shape == (5, 1)
+    if norm:
+        torch.testing.assert_close(w, torch.full((5, 1), 2.5))
+    else:
+        logits = (x @ router.weight.T).sigmoid().gather(1, idx)
+        torch.testing.assert_close(w, logits * 2.5)
