@@ -55,15 +55,27 @@ def describe(v: Verdict) -> str:
 # --------------------------------------------------------------------------- the selftest
 
 
-@pytest.fixture(scope="module")
-def selftest(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str],
-                                                                dict[str, Any]]:
-    out = tmp_path_factory.mktemp("selftest") / "selftest.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "mlacheck.cli", "selftest", "--quick", "--json", str(out)],
-        capture_output=True, text=True, timeout=900, check=False)
+@pytest.fixture(scope="session")
+def selftest(tmp_path_factory: pytest.TempPathFactory, testrun_uid: str
+             ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """`mlacheck selftest --quick`, run once per test run: its tests are spread over the xdist
+    workers, and a fixture per worker ran it twice at once (twice the time and the memory of
+    its 2 GiB / 4 GiB pools). The first worker runs it under a lock; the others read its files."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp().parent / f"selftest-{testrun_uid}"  # shared by workers
+    root.mkdir(exist_ok=True)
+    out, done = root / "selftest.json", root / "done.json"
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            proc = subprocess.run(
+                [sys.executable, "-m", "mlacheck.cli", "selftest", "--quick", "--json", str(out)],
+                capture_output=True, text=True, timeout=900, check=False)
+            done.write_text(json.dumps([proc.returncode, proc.stdout, proc.stderr]))
+    code, stdout, stderr = json.loads(done.read_text())
     data = json.loads(out.read_text()) if out.exists() else {}
-    return proc, data
+    return subprocess.CompletedProcess(["mlacheck", "selftest", "--quick"], code, stdout, stderr), data
 
 
 def test_selftest_quick_exits_0_and_prints_the_table(
