@@ -78,8 +78,10 @@ def split_backends(values: list[str] | None) -> list[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    for m in ("large_kv", "fp8", "persistent", "sparse", "multiseg", "gpu", "slow"):
-        config.addinivalue_line("markers", f"{m}: mlacheck case marker")
+    from mlacheck.matrices.loader import MARKERS
+
+    for name, description in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {description} (mlacheck case marker)")
     worker = is_worker(config)
     if worker:
         info = config.workerinput  # type: ignore[attr-defined]

@@ -74,9 +74,19 @@ from mlacheck.spec import (
 # Packaged matrices, smallest first: the order `names()` lists them in.
 CANONICAL_ORDER = ("smoke", "premerge", "nightly", "full")
 
-# Markers a matrix may set explicitly (pyproject registers them; a typo fails the load
-# instead of silently creating an unregistered marker).
-KNOWN_MARKERS = ("fp8", "sparse", "multiseg", "large_kv", "persistent", "gpu", "slow")
+# The case markers, defined once: a matrix may set them (a typo fails the load instead of
+# silently creating an unregistered marker), the pytest plugin registers them with these
+# descriptions, and `-m "not large_kv"` selects on them.
+MARKERS: dict[str, str] = {
+    "fp8": "FP8 formats",
+    "sparse": "sparse top-k decode",
+    "multiseg": "multi-segment varlen prefill",
+    "large_kv": "KV pools over 2 GB / 4 GB (deselected by CPU gates)",
+    "persistent": "persistent (work-stealing) decode",
+    "gpu": "needs a GPU",
+    "slow": "long-running",
+}
+KNOWN_MARKERS = tuple(MARKERS)
 
 # # `covers:` entries must name one of them (or a boundary class).
 

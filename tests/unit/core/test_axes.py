@@ -39,3 +39,10 @@ def test_unknown_layout_and_bad_page_size_are_named() -> None:
     with pytest.raises(ValueError, match="vectorized layout needs page_size % 16 == 0"):
         PrefillCase(seg, 16, quant=Quant("fp8_e4m3fn", "fp8_e4m3fn", "unit"),
                     paging=Paging(8, "vectorized"))
+
+
+def test_case_markers_are_registered_from_the_one_definition(pytestconfig: pytest.Config) -> None:
+    from mlacheck.matrices.loader import KNOWN_MARKERS, MARKERS
+
+    registered = {line.split(":", 1)[0] for line in pytestconfig.getini("markers")}
+    assert set(MARKERS) <= registered and KNOWN_MARKERS == tuple(MARKERS)
