@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mlacheck import footprint, inputs, results
 from mlacheck.matrices import load
 
@@ -72,6 +74,8 @@ def input_rates(matrix: str, repeats: int, device: str) -> list[dict[str, Any]]:
         for _ in range(repeats):
             t = time.perf_counter()
             built = inputs.build(case, device)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
             size = _stored_bytes(built)
             del built

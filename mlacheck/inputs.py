@@ -1,16 +1,19 @@
 """Deterministic tensors for a case: queries, latent KV, weights, quantised copies, pools.
 
-All random data comes from a CPU torch.Generator seeded by the case content, and is moved
-to the device afterwards, so CPU and GPU runs see bit-identical inputs.
+Bulk values (q, k, v, latent KV, weights) come from mlacheck.rng's counter-based streams,
+keyed by the case content and drawn directly on the device: the same bits on CPU and GPU,
+without a CPU-sized detour for a multi-GB case. Small structural draws (page placement,
+outlier channels, sparse top-k sets) come from a CPU torch.Generator seeded the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
-from mlacheck import fp8, kvcache
+from mlacheck import fp8, kvcache, rng
 from mlacheck.kvcache import Guarded, KVPool, PageTable
 from mlacheck.spec import Case, DecodeCase, MLADims, PrefillCase, Quant, SparseDecodeCase
 
@@ -90,25 +93,29 @@ def generator(case: Case, salt: int = 0) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed((case.seed_material + salt) % (1 << 63))
 
 
-def _randn(shape: tuple[int, ...], gen: torch.Generator, profile: str) -> torch.Tensor:
-    # in place: the same values without a second buffer of the pool's size (inputs of a
-    # 2.5 GB decode case built ~1.8x faster, benchmarks/suite_throughput.py --inputs)
-    x = torch.randn(shape, generator=gen, dtype=torch.float32).mul_(REALISTIC_STD)
-    if profile == "stress":
+def _randn(shape: tuple[int, ...], case: Case, stream: str, gen: torch.Generator,
+           device: torch.device | str) -> torch.Tensor:
+    """Normal values of the case's stream `stream`, made on `device` (see mlacheck.rng)."""
+    key = rng.stream_key(case.seed_material, stream)
+    x = rng.normal(shape, key, device, std=REALISTIC_STD)
+    if case.profile == "stress":
         # the same few channels (last dim) in every row carry outliers, as LLM activations do
         ch = torch.randperm(shape[-1], generator=gen)[:STRESS_CHANNELS]
-        x[..., ch] *= STRESS_OUTLIER
+        x[..., ch.to(x.device)] *= STRESS_OUTLIER
     return x
 
 
 def quantise(x: torch.Tensor, fmt_name: str, quant: Quant, device: torch.device | str) -> Quantised:
-    """The stored copy a production path would hand the kernel (torch-native overflow)."""
+    """The stored copy a production path would hand the kernel (torch-native overflow),
+    computed where `x` lives (integer and correctly rounded operations: the same bits on
+    every device) and moved to `device`."""
     scale = fp8.pick_scale(x, fmt_name, quant.scale, quant.per_token)
     stored = fp8.quantize(x, fmt_name, scale)
     return Quantised(stored.to(device), scale.to(device), fmt_name, x.to(device))
 
 
 def make_weights(dims: MLADims, num_heads: int, gen: torch.Generator) -> Weights:
+    """Weights from a torch generator (callers that hold one, e.g. a model's own seed)."""
     # entries N(0, 1/rank): k_nope and v keep unit variance when c_kv has it
     std = dims.kv_lora_rank**-0.5
     w_uk = torch.randn((num_heads, dims.qk_nope, dims.kv_lora_rank), generator=gen) * std
@@ -116,8 +123,15 @@ def make_weights(dims: MLADims, num_heads: int, gen: torch.Generator) -> Weights
     return Weights(w_uk, w_uv)
 
 
-def weights_for(case: Case) -> Weights:
-    return make_weights(case.dims, case.num_heads, generator(case, salt=1))
+def weights_for(case: Case, device: torch.device | str = "cpu") -> Weights:
+    """The case's absorption weights (entries N(0, 1/rank), as make_weights draws them)."""
+    d, h = case.dims, case.num_heads
+    std = d.kv_lora_rank**-0.5
+    w_uk = rng.normal((h, d.qk_nope, d.kv_lora_rank), rng.stream_key(case.seed_material, "w_uk"),
+                      device, std)
+    w_uv = rng.normal((h, d.kv_lora_rank, d.v_head), rng.stream_key(case.seed_material, "w_uv"),
+                      device, std)
+    return Weights(w_uk, w_uv)
 
 
 def mha_from_latent(
@@ -156,9 +170,9 @@ def _build_prefill(case: PrefillCase, device: torch.device | str) -> PrefillInpu
     gen = generator(case)
     d, h = case.dims, case.num_heads
     tq, tk = case.total_q, case.total_kv
-    q = _randn((tq, h, d.qk_head), gen, case.profile)
-    k = _randn((tk, h, d.qk_head), gen, case.profile)
-    v = _randn((tk, h, d.v_head), gen, case.profile)
+    q = _randn((tq, h, d.qk_head), case, "q", gen, device)
+    k = _randn((tk, h, d.qk_head), case, "k", gen, device)
+    v = _randn((tk, h, d.v_head), case, "v", gen, device)
     qq = quantise(q, case.quant.q, case.quant, device)
     kq = quantise(k, case.quant.kv, case.quant, device)
     vq = quantise(v, case.quant.kv, case.quant, device)
@@ -191,16 +205,16 @@ def _build_prefill(case: PrefillCase, device: torch.device | str) -> PrefillInpu
 def _build_decode(case: DecodeCase | SparseDecodeCase, device: torch.device | str) -> DecodeInputs:
     gen = generator(case)
     d, h = case.dims, case.num_heads
-    q = _randn((case.total_q, h, d.latent), gen, case.profile)
+    q = _randn((case.total_q, h, d.latent), case, "q", gen, device)
     qq = quantise(q, case.quant.q, case.quant, device)
     lens = [r.kv_len for r in case.requests]
-    kv_all = _randn((sum(lens), 1, d.latent), gen, case.profile)
+    kv_all = _randn((sum(lens), 1, d.latent), case, "kv", gen, device)
     if case.quant.per_token and fp8.fmt(case.quant.kv).is_fp8:
         raise ValueError("per-token KV scales are not modelled for paged pools; use per-tensor")
-    kvq = quantise(kv_all, case.quant.kv, case.quant, "cpu")
+    kvq = quantise(kv_all, case.quant.kv, case.quant, device)
     cuts = cu_seqlens(lens).tolist()
     kv = [
-        Quantised(kvq.stored[a:b].to(device), kvq.scale.to(device), kvq.fmt, kvq.ideal[a:b].to(device))
+        Quantised(kvq.stored[a:b], kvq.scale, kvq.fmt, kvq.ideal[a:b])
         for a, b in zip(cuts[:-1], cuts[1:], strict=True)
     ]
     page_bytes = case.page_size * d.latent * fp8.fmt(case.quant.kv).itemsize
@@ -220,6 +234,44 @@ def _build_decode(case: DecodeCase | SparseDecodeCase, device: torch.device | st
     if isinstance(case, SparseDecodeCase):
         inputs.topk_indices = sparse_indices(case, gen).to(device)
     return inputs
+
+
+def fingerprint(inp: Inputs) -> list[int]:
+    """Checksums of every tensor a kernel reads (all but the output buffer): a kernel that
+    writes into its inputs changes them, and the harness then builds the case afresh
+    instead of handing the next backend what the last one left."""
+    sums: list[int] = []
+
+    def walk(x: object) -> None:
+        if isinstance(x, torch.Tensor):
+            sums.append(_checksum(x))
+            sums.append(x.numel())
+        elif isinstance(x, list | tuple):
+            for i in x:
+                walk(i)
+        elif isinstance(x, dict):
+            for i in x.values():
+                walk(i)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            for f in dataclasses.fields(x):
+                walk(getattr(x, f.name))
+
+    for f in dataclasses.fields(inp):
+        if f.name not in ("out", "case"):
+            walk(getattr(inp, f.name))
+    return sums
+
+
+def _checksum(t: torch.Tensor) -> int:
+    """Sum of the tensor's bytes read as 64-bit words (wrapping; one fast pass), plus its
+    last few bytes."""
+    b = fp8.as_ints(t).reshape(-1).view(torch.uint8)
+    n = b.numel() // 8 * 8
+    try:
+        head = int(b[:n].view(torch.int64).sum())
+    except RuntimeError:  # a slice not aligned to 8 bytes: the slow sum
+        head = int(b[:n].sum(dtype=torch.int64))
+    return head ^ int(b[n:].sum(dtype=torch.int64))
 
 
 def sparse_indices(case: SparseDecodeCase, gen: torch.Generator) -> torch.Tensor:

@@ -85,6 +85,8 @@ def pytest_configure(config: pytest.Config) -> None:
     worker = is_worker(config)
     if worker:
         info = config.workerinput  # type: ignore[attr-defined]
+        if info.get(_LOADGROUP):
+            config.option.loadgroup = True
         _map_worker_to_device(int(re.sub(r"\D", "", str(info.get("workerid", ""))) or 0))
         _share_cpu_threads(int(info.get("workercount", 1)))
     state = _State(config)
@@ -93,6 +95,10 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_XdistHooks(), "mla-xdist")
     if not worker and _runs_the_suite(config):
         state.preflight()
+        if getattr(config.option, "dist", "no") == "load":
+            # each case's items to one worker, in order (xdist_group marks): its inputs and
+            # references are built once there for all its backends
+            config.option.dist = "loadgroup"
 
 
 def _quiet_xdist_status(config: pytest.Config) -> None:
@@ -162,6 +168,7 @@ def gpu_count() -> int:
 
 
 _STATE = pytest.StashKey["_State"]()
+_LOADGROUP = "mla_loadgroup"  # workerinput key: the controller schedules by case
 
 
 class _State:
@@ -242,6 +249,7 @@ class _State:
 
     def items(self) -> list[Item]:
         if self._items is None:
+            from mlacheck import footprint
             from mlacheck.backends.registry import BackendError
             from mlacheck.matrices import MatrixError, load
 
@@ -253,8 +261,12 @@ class _State:
                 raise pytest.UsageError(str(e)) from None
             self.matrix_name = matrix.name
             leave_out = _leave_out(self.config.getoption("--mla-leave-out"))
-            self._items = [Item(b, mc.case, tuple(mc.markers)) for b in self.backend_names
-                           for mc in matrix.cases if (b, mc.case.id) not in leave_out]
+            # case by case (a case's inputs and references serve all its backends in one
+            # worker: mlacheck.harness), largest first (the long cases start first, and
+            # workers do not wait at the end for one that started last)
+            cases = sorted(matrix.cases, key=lambda mc: -footprint.estimate(mc.case).total)
+            self._items = [Item(b, mc.case, tuple(mc.markers)) for mc in cases
+                           for b in self.backend_names if (b, mc.case.id) not in leave_out]
         return self._items
 
     def write(self, record: dict[str, Any]) -> None:
@@ -268,8 +280,7 @@ class _State:
         by_id = {it.id: it for it in self.items()}
         expected = []
         for nid in node_ids:
-            m = re.search(r"\[(.+)\]$", nid)
-            it = by_id.get(m.group(1)) if m else None
+            it = by_id.get(_param_id(nid))
             if it is not None:
                 expected.append((it.backend, it.case.id))
         self.selected = [by_id[f"{b}-{c}"] for b, c in expected]
@@ -289,8 +300,7 @@ class _State:
         if self._by_id is None:
             self._by_id = {it.id: it for it in self.items()} if _runs_the_suite(
                 self.config) else {}
-        m = re.search(r"\[(.+)\]$", nodeid)
-        return self._by_id.get(m.group(1)) if m else None
+        return self._by_id.get(_param_id(nodeid))
 
     def progress(self) -> Progress:
         if self._progress is None:
@@ -307,6 +317,13 @@ class _State:
         return n >= PROGRESS_MIN_ITEMS and self.config.get_verbosity() >= -1
 
 
+def _param_id(nodeid: str) -> str | None:
+    """The item id in a node id: `...test_mla[<id>]`, with xdist's `@<group>` suffix
+    (--dist loadgroup) left out."""
+    m = re.search(r"\[(.+)\](?:@[^\[\]]*)?$", nodeid)
+    return m.group(1) if m else None
+
+
 def _leave_out(path: str | None) -> set[tuple[str, str]]:
     # a fixed file, not the growing results file: every xdist worker must collect the same items
     if not path:
@@ -319,7 +336,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     state: _State = metafunc.config.stash[_STATE]
     params = [
-        pytest.param(it, id=it.id, marks=[getattr(pytest.mark, m) for m in it.markers])
+        pytest.param(it, id=it.id, marks=[*(getattr(pytest.mark, m) for m in it.markers),
+                                          pytest.mark.xdist_group(it.case.id)])
         for it in state.items()
     ]
     metafunc.parametrize("mla_item", params)
@@ -339,7 +357,7 @@ def check_item(item: Item, state: _State, node: pytest.Item) -> None:
         pytest.skip(f"device context poisoned by an earlier device error ({state.device_poisoned})")
     opts = RunOptions(state.device, state.config.getoption("--mla-golden"),
                       not state.config.getoption("--mla-no-ideal"),
-                      memory_wait_s=_memory_wait_s(state.config))
+                      memory_wait_s=_memory_wait_s(state.config), share=True)
     backend = state.backend(item.backend)
     start = time.time()
     try:
@@ -449,6 +467,46 @@ class _XdistHooks:
         config = _CONFIG.get("config")
         if config is not None:
             config.stash[_STATE].write_header(list(ids))
+
+    @staticmethod
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+        if config.getvalue("dist") != "loadgroup" or not _runs_the_suite(config):
+            return None
+        return _case_scheduler(config, log)
+
+    @staticmethod
+    def pytest_configure_node(node: Any) -> None:
+        """Workers re-read the command line (`--dist load`): say that groups are on, so they
+        name items `<id>@<case>` as the loadgroup scheduler expects."""
+        if getattr(node.config.option, "dist", "") == "loadgroup":
+            node.workerinput[_LOADGROUP] = True
+
+
+def _case_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's loadgroup scheduling (a case's items to one worker, in order), except that the
+    item a worker died under is not run again: loadscope puts the whole unfinished group
+    back, the crashed item included, so a kernel that aborts the process would take down
+    one worker after another (the item is recorded as CRASH)."""
+    from xdist.scheduler import LoadGroupScheduling
+
+    class CaseScheduling(LoadGroupScheduling):  # type: ignore[misc]
+        def remove_node(self, node: Any) -> str | None:
+            workload = self.assigned_work.pop(node)
+            pending = [nid for unit in workload.values() for nid, done in unit.items() if not done]
+            if not pending:
+                return None
+            crashed = pending[0]
+            for unit in workload.values():
+                if crashed in unit:
+                    unit[crashed] = True
+            self.workqueue.update((scope, unit) for scope, unit in workload.items()
+                                  if not all(unit.values()))
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashed
+
+    return CaseScheduling(config, log)
 
 
 def _mla_param(item: pytest.Item) -> Item | None:

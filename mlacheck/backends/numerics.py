@@ -91,7 +91,92 @@ def split_bounds(sk: int, splits: int) -> list[tuple[int, int]]:
     return [(edges[i], edges[i + 1]) for i in range(n)]
 
 
+# Elements of one score block in the vectorised pass (fp32; a few temporaries of this size
+# live at once): query rows are taken in chunks so a prefill's block stays ~128 MB.
+_BLOCK_ELEMENTS = 1 << 25
+
+
 def _online(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int, scale: float,
+    causal: bool, p_format: str, nm: Numerics, soft_cap: float, kv_valid: torch.Tensor | None,
+    q_positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if nm.acc_format != "fp32":  # a narrow accumulator is rounded tile by tile: sequential
+        return _online_sequential(q, k, v, lo, hi, scale, causal, p_format, nm, soft_cap,
+                                  kv_valid, q_positions)
+    sq, h, _ = q.shape
+    n = hi - lo
+    tiles = max(1, -(-n // nm.kv_block))
+    rows = max(1, _BLOCK_ELEMENTS // max(1, h * tiles * nm.kv_block))
+    outs, lses = [], []
+    for r0 in range(0, max(sq, 1), rows):  # an empty query block still gets its shapes
+        r1 = min(sq, r0 + rows)
+        o, lse = _online_tiles(q[r0:r1], k, v, lo, hi, scale, causal, p_format, nm, soft_cap,
+                               kv_valid, q_positions[r0:r1])
+        outs.append(o)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _online_tiles(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int, scale: float,
+    causal: bool, p_format: str, nm: Numerics, soft_cap: float, kv_valid: torch.Tensor | None,
+    q_positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The online softmax of _online_sequential, every kv tile at once.
+
+    The running max after tile t is a cumulative max over the tiles' maxima, so P (formed
+    against the running max, then rounded to p_format) has exactly the bits the tile loop
+    gives it; the rescaled sums sum_t exp(m_t - m_last) (P_t V_t) and the normaliser are
+    the same quantities in exact arithmetic and differ from the loop by fp32 reassociation
+    only. Hundreds of kernel launches per request become a few dozen."""
+    sq, h, _ = q.shape
+    n = hi - lo
+    blk = nm.kv_block
+    tiles = max(1, -(-n // blk))
+    pad = tiles * blk - n
+    qh = q.permute(1, 0, 2)  # [H, Sq, D]
+    s = torch.matmul(qh, k[lo:hi].permute(1, 2, 0)) * scale  # [H, Sq, n]
+    if soft_cap > 0:
+        s = soft_cap * torch.tanh(s / soft_cap)
+    vis = torch.ones((sq, n), dtype=torch.bool, device=q.device)
+    if causal:
+        vis &= torch.arange(lo, hi, device=q.device)[None, :] <= q_positions[:, None]
+    if kv_valid is not None:
+        vis &= kv_valid[lo:hi][None, :]
+    s = s.masked_fill(~vis, float("-inf"))
+    if pad:
+        s = torch.nn.functional.pad(s, (0, pad), value=float("-inf"))
+    st = s.view(h, sq, tiles, blk)
+    tile_max = st.amax(-1)  # [H, Sq, T]
+    if nm.reverse:  # tiles visited last to first: the running max accumulates from the end
+        run_max = tile_max.flip(-1).cummax(-1).values.flip(-1)
+        last_max = run_max[..., :1]
+    else:
+        run_max = tile_max.cummax(-1).values
+        last_max = run_max[..., -1:]
+    m_safe = torch.where(torch.isinf(run_max), torch.zeros_like(run_max), run_max)
+    p = torch.exp(st - m_safe.unsqueeze(-1))  # [H, Sq, T, blk]
+    last_safe = torch.where(torch.isinf(last_max), torch.zeros_like(last_max), last_max)
+    w = torch.exp(m_safe - last_safe)  # each tile's rescaling up to the last running max
+    l = (p.sum(-1) * w).sum(-1, keepdim=True)  # [H, Sq, 1]
+    p_r = fp8.round_trip(p, p_format) if p_format != "fp32" else p
+    p_r = (p_r * w.unsqueeze(-1)).view(h, sq, tiles * blk)
+    vv = v[lo:hi].permute(1, 0, 2)  # [Hk, n, Dv]
+    if pad:
+        vv = torch.nn.functional.pad(vv, (0, 0, 0, pad))
+    acc = torch.matmul(p_r, vv)  # [H, Sq, Dv]
+    out = acc / l
+    lse = (last_max + torch.log(l)).squeeze(-1)
+    empty = l.squeeze(-1) == 0
+    out = torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out)
+    lse = torch.where(empty, torch.full_like(lse, float("-inf")), lse)
+    return out.permute(1, 0, 2), lse.permute(1, 0)
+
+
+def _online_sequential(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int, scale: float,
     causal: bool, p_format: str, nm: Numerics, soft_cap: float, kv_valid: torch.Tensor | None,
     q_positions: torch.Tensor,

@@ -129,3 +129,67 @@ def test_verdict_json_round_trip(case) -> None:  # noqa: ANN001
     back = Verdict.from_dict(json.loads(v.to_json()))
     assert back.summary() == v.summary()
     assert torch.tensor(back.metrics["heatmap"]).shape[1] == case.num_heads
+
+
+# --------------------------------------------------------------------------- shared case data
+
+
+class _CountingBuilds:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from mlacheck import inputs
+
+        self.n = 0
+        real = inputs.build
+
+        def build(case, device="cpu"):  # noqa: ANN001, ANN202
+            self.n += 1
+            return real(case, device)
+
+        monkeypatch.setattr(harness.inputs_mod, "build", build)
+
+
+def test_backends_of_one_case_share_its_inputs_and_references(monkeypatch) -> None:
+    builds = _CountingBuilds(monkeypatch)
+    shared = harness.RunOptions(share=True)
+    harness.release_shared()
+    try:
+        first = harness.run_case(DECODE, TorchBackend(), shared)
+        second = harness.run_case(DECODE, split_factory(), shared)
+        assert first.status == second.status == PASS
+        assert builds.n == 1
+        assert second.timings["golden"] == second.timings["baseline"] == 0.0
+        # a planted bug is still caught on the shared data, and named the same way
+        def edit(res: Output, inputs) -> None:  # noqa: ANN001
+            res.out[1:3] = (res.out[1:3].float() * 1.03).to(res.out.dtype)
+        third = harness.run_case(DECODE, Planted(edit), shared)
+        fresh = harness.run_case(DECODE, Planted(edit))
+        assert builds.n == 2  # the unshared call built its own
+        assert third.status == fresh.status == FAIL
+        assert third.summary().splitlines()[0] == fresh.summary().splitlines()[0]
+        # another case: built anew
+        harness.run_case(PREFILL, TorchBackend(), shared)
+        assert builds.n == 3
+    finally:
+        harness.release_shared()
+
+
+def test_a_kernel_that_writes_its_inputs_gets_the_next_backend_fresh_ones(monkeypatch) -> None:
+    builds = _CountingBuilds(monkeypatch)
+    shared = harness.RunOptions(share=True)
+
+    def scribble(res: Output, inputs) -> None:  # noqa: ANN001
+        inputs.pool.data.view(torch.int16)[0].fill_(7)  # a write into the KV pool
+        inputs.out.full[0].fill_(3.0)  # and into a guard row of the output
+
+    harness.release_shared()
+    try:
+        harness.run_case(DECODE, Planted(scribble), shared)
+        after = harness.run_case(DECODE, TorchBackend(), shared)
+        assert builds.n == 2, "the changed inputs were handed on"
+        assert after.status == PASS, after.summary()
+        # only the output buffer touched: the same inputs, the buffer restored
+        harness.run_case(DECODE, Planted(lambda r, i: i.out.full[0].fill_(3.0)), shared)
+        again = harness.run_case(DECODE, TorchBackend(), shared)
+        assert builds.n == 2 and again.status == PASS, again.summary()
+    finally:
+        harness.release_shared()
