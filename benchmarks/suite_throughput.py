@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from", dest="from_file", help="summarise this results file instead")
     p.add_argument("--inputs", action="store_true", help="time input construction only")
     p.add_argument("--json", help="write the numbers here too")
+    p.add_argument("--keep", help="keep each run's results file in DIR/runN/ (for tables)")
     a = p.parse_args(argv)
     report: dict[str, Any] = {"machine": {"python": platform.python_version(),
                                           "cpus": len(_cores()), "node": platform.node()}}
@@ -119,8 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         runs = []
         for i in range(a.repeats):
-            with tempfile.TemporaryDirectory() as tmp:
-                runs.append(run_once(a, Path(tmp)))
+            if a.keep:
+                out = Path(a.keep) / f"run{i + 1}"
+                out.mkdir(parents=True, exist_ok=True)
+                runs.append(run_once(a, out))
+            else:
+                with tempfile.TemporaryDirectory() as tmp:
+                    runs.append(run_once(a, Path(tmp)))
             print(f"run {i + 1}/{a.repeats}: {json.dumps(runs[-1])}", flush=True)
         report["runs"] = runs
         report["median"] = {k: statistics.median(r[k] for r in runs)
