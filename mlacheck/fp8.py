@@ -94,9 +94,12 @@ def pick_scale(
         raise ValueError(f"unknown scale policy {policy!r}")
     xf = x.detach().float()  # max |x| as max(max x, -min x): no |x| copy of a pool-sized x
     lo, hi = xf.aminmax(dim=-1, keepdim=True) if per_token else xf.aminmax()
-    amax = torch.maximum(hi, -lo)
+    # the division on the CPU: CUDA divides by a scalar as a multiply by its reciprocal,
+    # which can differ in the last bit (the same case must get the same scale everywhere)
+    amax = torch.maximum(hi, -lo).cpu()
     scale = amax / f.max
-    return torch.where(scale > 0, scale, torch.ones_like(scale)).to(torch.float32)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(torch.float32)
+    return scale.to(x.device)
 
 
 def quantize(
