@@ -85,6 +85,14 @@ def _try_reserve(path: Path, need: int, budget: int) -> bool:
         return True
 
 
+def others_hold_memory(device: str) -> bool:
+    """Whether other live workers hold reservations on this GPU now."""
+    if not device.startswith("cuda"):
+        return False
+    with _locked(ledger_path(device)) as book:
+        return any(pid != str(os.getpid()) and n > 0 for pid, n in book.items())
+
+
 def _release(path: Path) -> None:
     with _locked(path) as book:
         book.pop(str(os.getpid()), None)

@@ -115,6 +115,8 @@ def _case_data(case: Case, opts: RunOptions) -> _CaseData:
     hold = contextlib.ExitStack()
     try:
         hold.enter_context(admission.reserved(case, opts.device, opts.memory_wait_s))
+        if _on_gpu(opts.device):
+            torch.cuda.reset_peak_memory_stats(opts.device)
         inp = inputs_mod.build(case, opts.device)
         kept = inputs_mod.fingerprint(inp) if opts.share else []
         data = _CaseData(key, inp, inp.out.full.clone(), kept, hold)
@@ -142,6 +144,10 @@ def _run_admitted(case: Case, backend: Backend, opts: RunOptions, base: Verdict,
         out = backend.run(case, inp)
         _sync(opts.device)
     except Exception as e:  # the implementation under test failed: CRASH, with its reason
+        if _out_of_memory(e) and admission.others_hold_memory(opts.device):
+            # other workers' cases held the device: the suite's scheduling, not the kernel
+            # (alone on the device it would be a CRASH); --resume runs the item again
+            return _suite_error(base, "running the kernel beside other workers' cases", e)
         base.status = CRASH
         base.reason = f"{type(e).__name__}: {e}".splitlines()[0][:500]
         base.metrics["traceback"] = traceback.format_exc(limit=8)
@@ -172,6 +178,9 @@ def _run_admitted(case: Case, backend: Backend, opts: RunOptions, base: Verdict,
         judge.refine_diagnosis(v, inp, gold, _probe(case, backend, inp, opts))
     t["judge"] = time.perf_counter() - clock
     v.timings = t
+    if _on_gpu(opts.device):  # what the case really took, against what admission reserved
+        v.metrics["device_peak_bytes"] = torch.cuda.max_memory_allocated(opts.device)
+        v.metrics["footprint_bytes"] = footprint.estimate(case).total
     return v
 
 
@@ -266,6 +275,14 @@ def _baseline(case: Case, inp: inputs_mod.Inputs) -> Output:
     return res
 
 
+def _out_of_memory(e: Exception) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _on_gpu(device: str) -> bool:
+    return torch.device(device).type == "cuda"
+
+
 def _sync(device: str) -> None:
-    if torch.device(device).type == "cuda":
+    if _on_gpu(device):
         torch.cuda.synchronize()

@@ -92,8 +92,8 @@ def split_bounds(sk: int, splits: int) -> list[tuple[int, int]]:
 
 
 # Elements of one score block in the vectorised pass (fp32; a few temporaries of this size
-# live at once): query rows are taken in chunks so a prefill's block stays ~128 MB.
-_BLOCK_ELEMENTS = 1 << 25
+# live at once): query rows are taken in chunks so each stays ~32 MB (8 workers share a GPU).
+_BLOCK_ELEMENTS = 1 << 23
 
 
 def _online(

@@ -68,3 +68,22 @@ def test_reserved_gives_up_as_a_suite_error_and_frees_on_exit(tmp_path: Path, mo
 def test_cpu_runs_take_no_reservation(tmp_path: Path) -> None:
     with admission.reserved(load("smoke").cases[0].case, "cpu"):
         pass
+
+
+def test_a_kernel_out_of_memory_beside_other_workers_is_the_suites_error(monkeypatch) -> None:
+    """An OOM while other workers' cases hold the GPU is the schedule's fault (ERROR, run again
+    by --resume); alone on the device the same OOM is the kernel's (CRASH)."""
+    from mlacheck import harness, spec
+    from mlacheck.backends.torch_ref import TorchBackend
+    from mlacheck.verdict import CRASH, ERROR
+
+    class Greedy(TorchBackend):
+        def run(self, case, inputs):  # noqa: ANN001, ANN201
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 74.00 MiB")
+
+    case = spec.DecodeCase(requests=(spec.Request(1, 40),), num_heads=2)
+    monkeypatch.setattr(admission, "others_hold_memory", lambda device: True)
+    v = harness.run_case(case, Greedy(name="greedy"))
+    assert v.status == ERROR and "other workers" in v.reason, v.reason
+    monkeypatch.setattr(admission, "others_hold_memory", lambda device: False)
+    assert harness.run_case(case, Greedy(name="greedy")).status == CRASH
