@@ -1,5 +1,6 @@
 """A small in-process DeepSeek-V3-architecture model whose attention runs through any
-mlacheck backend: the end-to-end half of the GSM8K gate (docs/e2e.md).
+mlacheck backend: the end-to-end half of the accuracy gate, on GSM8K-format problems
+(docs/e2e.md).
 
 * `config`: the model configuration (transformers' DeepseekV3 keys);
 * `model`: the model (transformers' parameter layout), dense MHA forward for training;

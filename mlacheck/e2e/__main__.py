@@ -1,5 +1,5 @@
-"""`python -m mlacheck.e2e`: problem data, held-out accuracy, and the GSM8K gate run with the
-e2e model (attention through a named mlacheck backend).
+"""`python -m mlacheck.e2e`: problem data, held-out accuracy, and a gate task (GSM8K by
+default) run with the e2e model (attention through a named mlacheck backend).
 
     python -m mlacheck.e2e data DIR [--n-train 200] [--n-test 500]
     python -m mlacheck.e2e eval --model references/e2e_model --backend torch --n 200
@@ -72,8 +72,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     e = sub.add_parser("eval", help="held-out accuracy through the runner (no lm-eval)")
     _attention_args(e)
     e.add_argument("--n", type=int, default=200)
-    g = sub.add_parser("gate", help="run GSM8K through lm-eval with the e2e model")
+    g = sub.add_parser("gate", help="run a gate task through lm-eval with the e2e model")
     _attention_args(g)
+    g.add_argument(
+        "--task",
+        default="gsm8k",
+        help="registered gate task (default gsm8k: the format the e2e model is trained on)",
+    )
     g.add_argument("--data-dir", type=Path, required=True, help="see `data`")
     g.add_argument("--out", type=Path, required=True, help="run record (JSON)")
     g.add_argument("--limit", type=int, default=None)
@@ -104,12 +109,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         else:
             from mlacheck.e2e.lm import MLACheckLM
-            from mlacheck.gate.lmeval_runner import RunSettings, run_gsm8k
+            from mlacheck.gate.lmeval_runner import RunSettings, run_task
+            from mlacheck.gate.task import STRICT
+            from mlacheck.gate.tasks import get_task
 
+            task = get_task(args.task)
             runner, tok = _runner(args)
             lm = MLACheckLM(runner, tok, batch_size=args.batch_size)
             label = args.label or f"e2e:{args.model.name}"
-            rec = run_gsm8k(
+            rec = run_task(
+                task,
                 lm,
                 RunSettings(
                     out=args.out,
@@ -127,8 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     },
                 ),
             )
-            acc = rec.metrics["strict-match"].accuracy
-            print(f"wrote {args.out}: strict-match {acc:.2%} on {len(rec.samples)} questions")
+            acc = rec.metrics[STRICT].accuracy
+            n = len(rec.samples)
+            print(f"wrote {args.out}: {task.name} {STRICT} {acc:.2%} on {n} questions")
     except (E2EError, GateError, BackendError, ValueError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2

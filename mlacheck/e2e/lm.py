@@ -4,7 +4,7 @@ This module imports lm-eval; `mlacheck.e2e` itself does not.
 
     from mlacheck.e2e.lm import MLACheckLM
     lm = MLACheckLM.from_pretrained("references/e2e_model", backend="torch")
-    record = run_gsm8k(lm, RunSettings(out=..., model_label="e2e", num_fewshot=0, ...))
+    record = run_task(get_task("gsm8k"), lm, RunSettings(out=..., model_label="e2e", ...))
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ DEFAULT_BATCH_SIZE = 64
 DEFAULT_MAX_GEN_TOKS = 256
 
 _NOT_SCORING = (
-    "MLACheckLM only generates text (greedy generate_until, what the GSM8K gate uses); "
+    "MLACheckLM only generates text (greedy generate_until, what the accuracy gate uses); "
     "{} is not implemented"
 )
 

@@ -1,8 +1,9 @@
-"""``mlacheck gate gsm8k run|compare|promote``.
+"""``mlacheck gate <task> run|compare|promote``, for every registered task.
 
 The top-level ``mlacheck`` command dispatches ``mlacheck gate ...`` to :func:`main` with the
-arguments after ``gate``. Exit codes: 0 success / PASS, 1 FAIL (compare), 2 error. Errors are
-one line on stderr, never a traceback.
+arguments after ``gate``. The task words are the names in :mod:`mlacheck.gate.tasks` when
+:func:`main` is called. Exit codes: 0 success / PASS, 1 FAIL (compare), 2 error (an unknown
+task included). Errors are one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -18,13 +19,22 @@ from pathlib import Path
 from typing import NoReturn
 
 from mlacheck.gate.errors import GateError
+from mlacheck.gate.record import (
+    GateRecord,
+    Provenance,
+    record_from_lmeval_results,
+    write_text_atomic,
+)
+from mlacheck.gate.task import ROLES, GateTask
+from mlacheck.gate.tasks import get_task, task_names
 
 EXIT_OK = 0
 EXIT_FAIL = 1
 EXIT_ERROR = 2
 
-# Baselines live here (relative to the repository root; see references/gsm8k/README.md).
-REFERENCES_SUBDIR = Path("references") / "gsm8k"
+# A task's baselines live in references/<task> (relative to the repository root; see
+# references/gsm8k/README.md).
+REFERENCES_DIR = Path("references")
 BASELINE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 META_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 
@@ -34,17 +44,27 @@ class _Parser(argparse.ArgumentParser):
         raise GateError(f"{self.prog}: {message}")
 
 
-def default_refs_dir() -> Path:
-    """``references/gsm8k`` of the source checkout mlacheck is imported from, if there is
-    one; otherwise ``references/gsm8k`` under the current directory."""
+def default_refs_dir(task: GateTask) -> Path:
+    """``references/<task>`` of the source checkout mlacheck is imported from, if there is
+    one; otherwise ``references/<task>`` under the current directory."""
     import mlacheck
 
-    repo = Path(mlacheck.__file__).resolve().parents[1]
-    candidate = repo / REFERENCES_SUBDIR
-    return candidate if candidate.is_dir() else Path.cwd() / REFERENCES_SUBDIR
+    subdir = REFERENCES_DIR / task.name
+    candidate = Path(mlacheck.__file__).resolve().parents[1] / subdir
+    return candidate if candidate.is_dir() else Path.cwd() / subdir
 
 
 def _parser() -> _Parser:
+    top = _Parser(prog="mlacheck gate", description="End-to-end accuracy gates (lm-eval tasks).")
+    gates = top.add_subparsers(dest="task", required=True, parser_class=_Parser, metavar="TASK")
+    for name in task_names():
+        task = get_task(name)
+        gate = gates.add_parser(name, help=f"{task.title} accuracy gate through lm-eval")
+        _add_commands(gate, task)
+    return top
+
+
+def _add_commands(gate: argparse.ArgumentParser, task: GateTask) -> None:
     from mlacheck.gate.compare import (
         DEFAULT_ALPHA,
         DEFAULT_INVALID_RATE_CEILING,
@@ -55,18 +75,14 @@ def _parser() -> _Parser:
         DEFAULT_MAX_GEN_TOKS,
         DEFAULT_MAX_RETRIES,
         DEFAULT_NUM_CONCURRENT,
-        DEFAULT_NUM_FEWSHOT,
         DEFAULT_REQUEST_TIMEOUT_S,
         TOKENIZER_BACKENDS,
     )
-    from mlacheck.gate.task import FILTERS
 
-    top = _Parser(prog="mlacheck gate", description="End-to-end accuracy gates.")
-    gates = top.add_subparsers(dest="gate", required=True, parser_class=_Parser)
-    gsm = gates.add_parser("gsm8k", help="GSM8K accuracy gate through lm-eval")
-    sub = gsm.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    run = sub.add_parser("run", help="evaluate a served model on GSM8K and write a run record")
+    sub = gate.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    run = sub.add_parser(
+        "run", help=f"evaluate a served model on {task.title} and write a run record"
+    )
     run.add_argument(
         "--base-url",
         required=True,
@@ -86,13 +102,14 @@ def _parser() -> _Parser:
         default=DEFAULT_REQUEST_TIMEOUT_S,
         help="per-request timeout in seconds",
     )
-    run.add_argument("--num-fewshot", type=int, default=DEFAULT_NUM_FEWSHOT)
-    run.add_argument("--limit", type=int, help="evaluate only the first N test questions")
+    run.add_argument("--num-fewshot", type=int, default=task.num_fewshot)
+    run.add_argument("--limit", type=int, help="evaluate only the first N test documents")
     run.add_argument("--max-gen-toks", type=int, default=DEFAULT_MAX_GEN_TOKS)
     run.add_argument(
         "--data-dir",
         type=Path,
-        help="offline GSM8K directory with train.jsonl and test.jsonl (default: HF hub)",
+        help=f"offline {task.title} directory with {' and '.join(task.data_files.values())} "
+        "(default: HF hub)",
     )
     run.add_argument("--server-args", help="free-form: how the server was started")
     run.add_argument("--kv-dtype", help="free-form: KV-cache dtype")
@@ -136,12 +153,12 @@ def _parser() -> _Parser:
         "--invalid-ceiling-percent",
         type=float,
         default=100 * DEFAULT_INVALID_RATE_CEILING,
-        help="maximum percent of candidate outputs without a number or looping "
+        help=f"maximum percent of candidate outputs {task.no_answer} or looping "
         "(default %(default)g)",
     )
-    cmp_.add_argument("--metric", choices=FILTERS, default=DEFAULT_METRIC)
+    cmp_.add_argument("--metric", choices=ROLES, default=DEFAULT_METRIC)
     cmp_.add_argument(
-        "--refs-dir", type=Path, help="baselines directory (default: references/gsm8k)"
+        "--refs-dir", type=Path, help=f"baselines directory (default: references/{task.name})"
     )
 
     pro = sub.add_parser("promote", help="record a run as a named baseline")
@@ -154,23 +171,19 @@ def _parser() -> _Parser:
     pro.add_argument("--reason", required=True, help="why this run is the baseline")
     pro.add_argument("--by", help="who promotes it (default: the current user)")
     pro.add_argument(
-        "--refs-dir", type=Path, help="baselines directory (default: references/gsm8k)"
+        "--refs-dir", type=Path, help=f"baselines directory (default: references/{task.name})"
     )
     pro.add_argument("--force", action="store_true", help="replace an existing baseline")
-    return top
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     try:
+        if args_list and not args_list[0].startswith("-"):
+            get_task(args_list[0])  # an unknown task: one line naming the registered ones
         args = _parser().parse_args(args_list)
-        if args.command == "run":
-            return _cmd_run(args)
-        if args.command == "compare":
-            return _cmd_compare(args)
-        if args.command == "promote":
-            return _cmd_promote(args)
-        raise GateError(f"unknown command {args.command!r}")
+        commands = {"run": _cmd_run, "compare": _cmd_compare, "promote": _cmd_promote}
+        return commands[args.command](get_task(args.task), args)
     except GateError as exc:
         print(f"mlacheck gate: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -191,20 +204,20 @@ def _parse_meta(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
+def _cmd_run(task: GateTask, args: argparse.Namespace) -> int:
     from mlacheck.gate.lmeval_runner import (
         RunSettings,
         local_completions_spec,
         normalize_completions_url,
         preflight,
         responses_path,
-        run_gsm8k,
+        run_task,
     )
 
     try:
         import lm_eval  # noqa: F401  # fail before talking to the server
     except ImportError as exc:
-        raise GateError(f"gsm8k run needs lm-eval ({exc}); install mlacheck[eval]") from None
+        raise GateError(f"{task.name} run needs lm-eval ({exc}); install mlacheck[eval]") from None
     url = normalize_completions_url(args.base_url)
     spec = local_completions_spec(
         url,
@@ -229,13 +242,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         extra=_parse_meta(args.meta),
     )
     preflight(url, args.model)
-    record = run_gsm8k(spec, settings)
+    record = run_task(task, spec, settings)
     parts = ", ".join(
         f"{name} {m.accuracy:.2%}" + (f" (stderr {m.stderr:.2%})" if m.stderr is not None else "")
         for name, m in record.metrics.items()
     )
     print(
-        f"gsm8k: {parts}; n={record.n_planned}; record {args.out}, "
+        f"{task.name}: {parts}; n={record.n_planned}; record {args.out}, "
         f"responses {responses_path(args.out)}"
     )
     return EXIT_OK
@@ -244,25 +257,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
 # --- compare -----------------------------------------------------------------------------
 
 
-def _resolve_baseline(spec: str, refs_dir: Path | None) -> Path:
+def _resolve_baseline(task: GateTask, spec: str, refs_dir: Path | None) -> Path:
     path = Path(spec)
     if path.exists() or not BASELINE_NAME_RE.match(spec) or spec.endswith(".json"):
         return path
-    return (refs_dir or default_refs_dir()) / f"{spec}.json"
+    return (refs_dir or default_refs_dir(task)) / f"{spec}.json"
 
 
-def _cmd_compare(args: argparse.Namespace) -> int:
+def _load(task: GateTask, path: Path) -> GateRecord:
+    """A record of ``task``; a record of another task is refused by name."""
+    record = GateRecord.load(path)
+    if record.task != task.name:
+        raise GateError(f"{path} is a {record.task} record, not {task.name}")
+    return record
+
+
+def _cmd_compare(task: GateTask, args: argparse.Namespace) -> int:
     from mlacheck.gate.compare import (
-        REPORT_JSON,
-        REPORT_MARKDOWN,
-        REPORT_PLOT,
         GatePolicy,
         compare,
         render_markdown,
+        report_names,
         summary_line,
         write_plot,
     )
-    from mlacheck.gate.record import GateRecord, write_text_atomic
 
     policy = GatePolicy(
         margin=args.margin_points / 100,
@@ -273,9 +291,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         invalid_rate_ceiling=args.invalid_ceiling_percent / 100,
         metric=args.metric,
     )
-    baseline = GateRecord.load(_resolve_baseline(args.baseline, args.refs_dir))
-    candidate = GateRecord.load(args.candidate)
+    baseline = _load(task, _resolve_baseline(task, args.baseline, args.refs_dir))
+    candidate = _load(task, args.candidate)
     verdict = compare(baseline, candidate, policy)
+    report_markdown, report_plot, report_json = report_names(task.name)
     if args.out_dir is None:
         print(render_markdown(verdict), end="")
         return verdict.exit_code
@@ -284,33 +303,26 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise GateError(f"cannot create {out}: {exc}") from None
-    plot_name: str | None = REPORT_PLOT
+    plot_name: str | None = report_plot
     if verdict.primary is None:
         plot_name = None
     else:
         try:
-            write_plot(verdict, out / REPORT_PLOT)
+            write_plot(verdict, out / report_plot)
         except ImportError:
             plot_name = None
             print("mlacheck gate: note: matplotlib not installed; no plot", file=sys.stderr)
-    write_text_atomic(out / REPORT_MARKDOWN, render_markdown(verdict, plot_name))
-    write_text_atomic(out / REPORT_JSON, json.dumps(verdict.to_json_dict(), indent=2) + "\n")
+    write_text_atomic(out / report_markdown, render_markdown(verdict, plot_name))
+    write_text_atomic(out / report_json, json.dumps(verdict.to_json_dict(), indent=2) + "\n")
     print(summary_line(verdict))
-    print(f"report: {out / REPORT_MARKDOWN}")
+    print(f"report: {out / report_markdown}")
     return verdict.exit_code
 
 
 # --- promote -----------------------------------------------------------------------------
 
 
-def _cmd_promote(args: argparse.Namespace) -> int:
-    from mlacheck.gate.record import (
-        GateRecord,
-        Provenance,
-        record_from_lmeval_results,
-        write_text_atomic,
-    )
-
+def _cmd_promote(task: GateTask, args: argparse.Namespace) -> int:
     if not BASELINE_NAME_RE.match(args.name):
         raise GateError(f"baseline name must match {BASELINE_NAME_RE.pattern}, got {args.name!r}")
     if not args.reason.strip():
@@ -322,15 +334,15 @@ def _cmd_promote(args: argparse.Namespace) -> int:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise GateError(f"{args.run}: cannot read JSON: {exc}") from None
     if isinstance(data, dict) and "schema" not in data and "results" in data:
-        record = record_from_lmeval_results(data, str(args.run))
+        record = record_from_lmeval_results(data, str(args.run), task)
     else:
-        record = GateRecord.load(args.run)
+        record = _load(task, args.run)
     if not record.complete:
         raise GateError(
             f"{args.run}: only a complete run can be a baseline (status {record.status}, "
             f"{record.failed_requests} failed requests)"
         )
-    refs: Path = args.refs_dir or default_refs_dir()
+    refs: Path = args.refs_dir or default_refs_dir(task)
     target = refs / f"{args.name}.json"
     if target.exists() and not args.force:
         raise GateError(f"baseline {target} exists; pass --force to replace it")

@@ -1,4 +1,4 @@
-"""Compare a candidate GSM8K run with a baseline: verdict, markdown summary, plot.
+"""Compare a candidate run of a gate task with a baseline: verdict, markdown summary, plot.
 
 The verdict is a non-inferiority test: PASS iff the one-sided ``1 - alpha`` lower confidence
 bound of (candidate accuracy - baseline accuracy) lies above ``-margin``, the candidate run
@@ -19,14 +19,15 @@ from typing import Any
 from mlacheck.gate import stats
 from mlacheck.gate.errors import GateError
 from mlacheck.gate.record import GateRecord
-from mlacheck.gate.task import FILTERS, STRICT
+from mlacheck.gate.task import ROLES, STRICT
+from mlacheck.gate.tasks import DEFAULT_TASK, get_task
 
 # Non-inferiority margin in accuracy units (0.02 = 2 percentage points). A policy choice: the
 # largest loss accepted without investigation. Bugs that matter (wrong pages, garbled heads,
 # overflowing offsets) corrupt whole requests and cost more; a numerically correct change
 # (FP8 KV cache, another reduction order) flips greedy answers in both directions with a net
-# effect expected near zero. It is also about the finest margin the full 1319-question test
-# set resolves: the power statement's delta_min = 2.49 * sqrt(psi / 1319) is 1.5 points at
+# effect expected near zero. It is also about the finest margin GSM8K's full 1319-question
+# test set resolves: the power statement's delta_min = 2.49 * sqrt(psi / 1319) is 1.5 points at
 # psi = 5% discordant questions, 1.9 at 8%, 2.2 at 10% (docs/gate.md).
 DEFAULT_MARGIN = 0.02
 # One-sided significance level of the non-inferiority bound: the lower end of a two-sided
@@ -36,21 +37,27 @@ DEFAULT_ALPHA = 0.05
 POWER = 0.80
 # No absolute accuracy floor unless the user gives one: the right floor depends on the model.
 DEFAULT_ACCURACY_FLOOR: float | None = None
-# Highest tolerated fraction of candidate outputs without any number or in a repetition loop.
+# Highest tolerated fraction of candidate outputs without any answer or in a repetition loop.
 # A healthy model answering 5-shot GSM8K almost always ends with a number; 5% leaves room for
 # the odd truncated answer while catching a kernel that garbles one request in twenty.
 DEFAULT_INVALID_RATE_CEILING = 0.05
-# The gate decides on lm-eval's strict-match filter (answer after "#### ", the format the
-# few-shot examples teach); flexible-extract is reported alongside. A kernel that makes the
+# The gate decides on the strict-match role (for GSM8K the answer after "#### ", the format
+# the few-shot examples teach); flexible-extract is reported alongside. A kernel that makes the
 # model lose the answer format is caught by strict-match even if the last number is right.
 DEFAULT_METRIC = STRICT
 
 PAIRED = "paired"
 UNPAIRED = "unpaired"
 
-REPORT_MARKDOWN = "gsm8k_gate.md"
-REPORT_PLOT = "gsm8k_gate.png"
-REPORT_JSON = "gsm8k_gate.json"
+
+def report_names(task: str) -> tuple[str, str, str]:
+    """File names of a task's compare report (markdown, plot, verdict JSON), e.g.
+    gsm8k_gate.md: several tasks' reports can share one directory."""
+    return f"{task}_gate.md", f"{task}_gate.png", f"{task}_gate.json"
+
+
+# The default task's report files.
+REPORT_MARKDOWN, REPORT_PLOT, REPORT_JSON = report_names(DEFAULT_TASK)
 
 
 @dataclass(frozen=True)
@@ -72,8 +79,8 @@ class GatePolicy:
             raise GateError(
                 f"invalid-rate ceiling must lie in [0, 1], got {self.invalid_rate_ceiling}"
             )
-        if self.metric not in FILTERS:
-            raise GateError(f"metric must be one of {', '.join(FILTERS)}, got {self.metric!r}")
+        if self.metric not in ROLES:
+            raise GateError(f"metric must be one of {', '.join(ROLES)}, got {self.metric!r}")
 
     @property
     def confidence(self) -> float:
@@ -120,6 +127,7 @@ class GateVerdict:
     invalid_rate: float
     baseline_meta: Mapping[str, Any]
     candidate_meta: Mapping[str, Any]
+    task: str  # the gate task both runs ran
 
     @property
     def exit_code(self) -> int:
@@ -186,6 +194,10 @@ def _unpaired(metric: str, xb: int, nb: int, xc: int, nc: int, policy: GatePolic
 
 
 def _check_comparable(baseline: GateRecord, candidate: GateRecord) -> None:
+    if baseline.task != candidate.task:
+        raise GateError(
+            f"runs are not comparable: {baseline.task} baseline vs {candidate.task} candidate"
+        )
     bm, cm = baseline.metadata, candidate.metadata
     if bm.protocol_sha256 and cm.protocol_sha256 and bm.protocol_sha256 != cm.protocol_sha256:
         raise GateError(
@@ -243,7 +255,7 @@ def compare(baseline: GateRecord, candidate: GateRecord, policy: GatePolicy) -> 
                 m: _paired(
                     m, [(base_by_id[s.doc_id].correct(m), s.correct(m)) for s in common], policy
                 )
-                for m in FILTERS
+                for m in ROLES
             }
             if common
             else {}
@@ -256,7 +268,7 @@ def compare(baseline: GateRecord, candidate: GateRecord, policy: GatePolicy) -> 
         compared = cand_samples
         comparisons = {}
         if cand_samples:
-            for m in FILTERS:
+            for m in ROLES:
                 if m not in baseline.metrics:
                     continue
                 summary = baseline.metrics[m]
@@ -312,7 +324,8 @@ def compare(baseline: GateRecord, candidate: GateRecord, policy: GatePolicy) -> 
         Check(
             "invalid outputs",
             invalid_rate <= policy.invalid_rate_ceiling,
-            f"{invalid}/{len(compared)} candidate outputs without a number or looping "
+            f"{invalid}/{len(compared)} candidate outputs {get_task(candidate.task).no_answer} "
+            "or looping "
             f"({invalid_rate:.2%} {'<=' if invalid_rate <= policy.invalid_rate_ceiling else '>'} "
             f"ceiling {policy.invalid_rate_ceiling:.2%})",
         )
@@ -330,6 +343,7 @@ def compare(baseline: GateRecord, candidate: GateRecord, policy: GatePolicy) -> 
         invalid_rate=invalid_rate,
         baseline_meta=_describe(baseline),
         candidate_meta=_describe(candidate),
+        task=candidate.task,
     )
 
 
@@ -368,12 +382,12 @@ def summary_line(verdict: GateVerdict) -> str:
     p = verdict.primary
     if p is None:
         details = "; ".join(c.detail for c in verdict.checks if not c.passed)
-        return f"{word} gsm8k: {details}"
+        return f"{word} {verdict.task}: {details}"
     extra = f", b={p.b}, c={p.c}" if p.mode == PAIRED else ""
     failed = [c.name for c in verdict.checks if not c.passed]
     tail = f" [failed: {', '.join(failed)}]" if failed else ""
     return (
-        f"{word} gsm8k {p.metric}: candidate {p.candidate.estimate:.2%} vs baseline "
+        f"{word} {verdict.task} {p.metric}: candidate {p.candidate.estimate:.2%} vs baseline "
         f"{p.baseline.estimate:.2%}, difference {_pts(p.difference.estimate)}, "
         f"{_conf_one_sided(verdict.policy)} lower bound {_pts(p.difference.lower)} vs margin "
         f"-{_pts(verdict.policy.margin, sign=False)} ({p.mode}, n={p.n_candidate}{extra}){tail}"
@@ -410,7 +424,9 @@ def _ci(iv: stats.Interval, pct: bool = True) -> str:
 
 def render_markdown(verdict: GateVerdict, plot_name: str | None = None) -> str:
     pol = verdict.policy
-    lines = [f"# GSM8K gate: {'PASS' if verdict.passed else 'FAIL'}", "", summary_line(verdict), ""]
+    title = get_task(verdict.task).title
+    word = "PASS" if verdict.passed else "FAIL"
+    lines = [f"# {title} gate: {word}", "", summary_line(verdict), ""]
     lines += ["## Checks", "", "| check | result | detail |", "|---|---|---|"]
     for c in verdict.checks:
         lines.append(f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {c.detail} |")
@@ -489,7 +505,7 @@ def render_markdown(verdict: GateVerdict, plot_name: str | None = None) -> str:
             f"{prov['promoted_at']}: {prov['reason']}",
         ]
     if plot_name:
-        lines += ["", f"![GSM8K gate]({plot_name})"]
+        lines += ["", f"![{title} gate]({plot_name})"]
     return "\n".join(lines) + "\n"
 
 
@@ -568,9 +584,9 @@ def write_plot(verdict: GateVerdict, path: Path) -> None:
             ax.text(0.5, 0.5, "unpaired baseline:\nno discordance", ha="center", va="center")
             ax.set_axis_off()
         fig.suptitle(
-            f"GSM8K gate {'PASS' if verdict.passed else 'FAIL'}: {comp.metric} difference "
-            f"{_pts(d.estimate)}, {_conf_one_sided(verdict.policy)} lower bound {_pts(d.lower)} "
-            f"vs margin -{_pts(verdict.policy.margin, sign=False)}",
+            f"{get_task(verdict.task).title} gate {'PASS' if verdict.passed else 'FAIL'}: "
+            f"{comp.metric} difference {_pts(d.estimate)}, {_conf_one_sided(verdict.policy)} "
+            f"lower bound {_pts(d.lower)} vs margin -{_pts(verdict.policy.margin, sign=False)}",
             fontsize=10,
         )
         fig.tight_layout()

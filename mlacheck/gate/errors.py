@@ -1,4 +1,4 @@
-"""Errors of the GSM8K gate."""
+"""Errors of the accuracy gate."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Run GSM8K through lm-eval and turn the result into a :class:`GateRecord` (side effects).
+"""Run a gate task through lm-eval and turn the result into a :class:`GateRecord` (side effects).
 
 Two ways to name the model under test:
 
@@ -11,9 +11,9 @@ Two ways to name the model under test:
 Nothing measured is lost: every response is appended to ``<record>.responses.jsonl`` as it
 arrives (through lm-eval's cache hook, which API models call per request; for other LMs when
 ``generate_until`` returns), and if the run fails a partial record (status ``aborted``,
-scored with the mirror of lm-eval's filters in :mod:`mlacheck.gate.task`) is written before
-the error is raised. lm-eval aborts a run at the first request that still fails after its
-retries; the requests then left without a response are counted as failed.
+scored with the task's mirror of lm-eval's filters, :class:`mlacheck.gate.task.GateTask`) is
+written before the error is raised. lm-eval aborts a run at the first request that still
+fails after its retries; the requests then left without a response are counted as failed.
 
 lm-eval is imported lazily: importing this module does not need it.
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import gc
-import hashlib
 import json
 import logging
 import os
@@ -34,7 +33,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata as _md
 from pathlib import Path
 from typing import IO, Any
@@ -51,29 +50,13 @@ from mlacheck.gate.record import (
     MetricSummary,
     RunMetadata,
     SampleRecord,
+    lmeval_role_metrics,
     metrics_from_samples,
 )
-from mlacheck.gate.task import (
-    DATA_TEST_FILE,
-    DATA_TRAIN_FILE,
-    FILTERS,
-    FLEXIBLE,
-    HUB_DATASET_NAME,
-    HUB_DATASET_PATH,
-    REGEX_FALLBACK,
-    STRICT,
-    TASK_NAME,
-    doc_hash,
-    exact_match,
-    extract,
-    gold_answer,
-    is_degenerate,
-    protocol_sha256,
-    task_config,
-)
+from mlacheck.gate.task import FLEXIBLE, STRICT, GateTask, is_degenerate, protocol_sha256
+from mlacheck.gate.tasks import DEFAULT_TASK, get_task
+from mlacheck.gate.tasks.gsm8k import GSM8K
 
-# GSM8K is evaluated 5-shot (lm-eval's gsm8k.yaml num_fewshot; the figure most reports use).
-DEFAULT_NUM_FEWSHOT = 5
 # Generation budget per answer: lm-eval's default max_gen_toks for API and HF models. Made
 # explicit so that it is part of the protocol hash and identical for every backend.
 DEFAULT_MAX_GEN_TOKS = 256
@@ -109,9 +92,9 @@ class RunSettings:
 
     out: Path  # record path; responses go to <out>.responses.jsonl
     model_label: str  # how the model is named in the record
-    num_fewshot: int = DEFAULT_NUM_FEWSHOT
+    num_fewshot: int | None = None  # None: the task's own (GSM8K: 5, the figure reports use)
     limit: int | None = None
-    data_dir: Path | None = None  # offline data (train.jsonl, test.jsonl); None: HF hub
+    data_dir: Path | None = None  # offline data (the task's data files); None: HF hub
     max_gen_toks: int = DEFAULT_MAX_GEN_TOKS
     base_url: str | None = None
     server_args: str | None = None
@@ -225,50 +208,15 @@ def local_completions_spec(
     return ModelSpec(LOCAL_COMPLETIONS, args)
 
 
-# --- data --------------------------------------------------------------------------------
-
-
-def check_data_dir(data_dir: Path, num_fewshot: int) -> str:
-    """Validate an offline GSM8K directory; return its data-source description."""
-    if not data_dir.is_dir():
-        raise GateError(f"data directory {data_dir} does not exist")
-    digests = {}
-    for name in (DATA_TRAIN_FILE, DATA_TEST_FILE):
-        path = data_dir / name
-        if not path.is_file():
-            raise GateError(f"data directory {data_dir} has no {name}")
-        rows = 0
-        raw = path.read_bytes()
-        for lineno, line in enumerate(raw.decode("utf-8", "replace").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                doc = json.loads(line)
-                ok = isinstance(doc.get("question"), str) and "#### " in doc.get("answer", "")
-            except (ValueError, AttributeError, TypeError):
-                ok = False
-            if not ok:
-                raise GateError(
-                    f"{path}:{lineno}: not a GSM8K record "
-                    '(need {"question": ..., "answer": "... #### N"})'
-                )
-            rows += 1
-        if rows == 0:
-            raise GateError(f"{path} is empty")
-        if name == DATA_TRAIN_FILE and rows < num_fewshot:
-            raise GateError(f"{path} has {rows} examples, fewer than {num_fewshot} shots")
-        digests[name] = hashlib.sha256(raw).hexdigest()[:16]
-    return f"json:{data_dir.resolve()} test.jsonl sha256={digests[DATA_TEST_FILE]}"
-
-
 # --- recording ---------------------------------------------------------------------------
 
 
 class _ResponseLog:
     """Collects responses per document and appends each to a JSON-lines file at once."""
 
-    def __init__(self, stream: IO[str]) -> None:
+    def __init__(self, stream: IO[str], task: GateTask) -> None:
         self._stream = stream
+        self._task = task
         self._by_context: dict[str, list[Any]] = {}
         self.planned: list[Any] = []  # lm-eval Instances, in request order
         self.answered: dict[int, tuple[Mapping[str, Any], str]] = {}
@@ -295,7 +243,7 @@ class _ResponseLog:
         if inst.doc_id in self.answered:
             return
         self.answered[inst.doc_id] = (inst.doc, text)
-        line = {"doc_id": inst.doc_id, "doc_hash": doc_hash(inst.doc["question"]), "response": text}
+        line = {"doc_id": inst.doc_id, "doc_hash": self._task.hash_doc(inst.doc), "response": text}
         self._stream.write(json.dumps(line, ensure_ascii=False) + "\n")
         self._stream.flush()
 
@@ -327,10 +275,10 @@ def _recording_lm(inner: Any, log: _ResponseLog) -> Any:
             return int(getattr(inner, "world_size", 1))
 
         def loglikelihood(self, requests: Any, disable_tqdm: bool = False) -> Any:
-            raise NotImplementedError("the GSM8K gate only generates")
+            raise NotImplementedError("the gate only generates")
 
         def loglikelihood_rolling(self, requests: Any, disable_tqdm: bool = False) -> Any:
-            raise NotImplementedError("the GSM8K gate only generates")
+            raise NotImplementedError("the gate only generates")
 
         def generate_until(self, requests: Any, disable_tqdm: bool = False) -> list[str]:
             log.expect(requests)
@@ -377,24 +325,31 @@ def _metadata(settings: RunSettings, backend: str, data_source: str, proto: str)
     )
 
 
-def score_response(doc_id: int, doc: Mapping[str, Any], response: str) -> SampleRecord:
-    """Score one response with the mirror of lm-eval's gsm8k filters (partial records)."""
-    strict = extract(response, STRICT)
-    flexible = extract(response, FLEXIBLE)
+def score_response(
+    doc_id: int, doc: Mapping[str, Any], response: str, task: GateTask | None = None
+) -> SampleRecord:
+    """Score one response of ``task`` (default: the default task) with its mirror of lm-eval's
+    filters and metric (partial records)."""
+    task = task or get_task(DEFAULT_TASK)
+    strict = task.extract(response, STRICT)
+    flexible = task.extract(response, FLEXIBLE)
+    answer = doc[task.answer_field]
     return SampleRecord(
         doc_id=doc_id,
-        doc_hash=doc_hash(doc["question"]),
-        target=gold_answer(doc["answer"]),
-        strict_correct=exact_match(strict, doc["answer"]),
-        flexible_correct=exact_match(flexible, doc["answer"]),
+        doc_hash=task.hash_doc(doc),
+        target=task.gold_of(doc),
+        strict_correct=task.exact_match(strict, answer),
+        flexible_correct=task.exact_match(flexible, answer),
         strict_answer=strict,
         flexible_answer=flexible,
-        no_number=flexible == REGEX_FALLBACK,
+        no_number=task.found_nothing(flexible),
         degenerate=is_degenerate(response),
     )
 
 
-def samples_from_lmeval(logged: Sequence[Mapping[str, Any]]) -> tuple[SampleRecord, ...]:
+def samples_from_lmeval(
+    task: GateTask, logged: Sequence[Mapping[str, Any]]
+) -> tuple[SampleRecord, ...]:
     """Per-document outcomes from lm-eval's logged samples (one entry per doc and filter)."""
     by_doc: dict[int, dict[str, Mapping[str, Any]]] = {}
     for entry in logged:
@@ -402,22 +357,22 @@ def samples_from_lmeval(logged: Sequence[Mapping[str, Any]]) -> tuple[SampleReco
     out = []
     for doc_id in sorted(by_doc):
         entries = by_doc[doc_id]
-        missing = set(FILTERS) - set(entries)
+        missing = set(task.role_filters.values()) - set(entries)
         if missing:
             raise GateError(f"lm-eval logged no {sorted(missing)} result for doc {doc_id}")
-        strict, flexible = entries[STRICT], entries[FLEXIBLE]
+        strict, flexible = (entries[task.role_filters[role]] for role in (STRICT, FLEXIBLE))
         doc = strict["doc"]
         response = strict["resps"][0][0]
         out.append(
             SampleRecord(
                 doc_id=doc_id,
-                doc_hash=doc_hash(doc["question"]),
-                target=gold_answer(doc["answer"]),
+                doc_hash=task.hash_doc(doc),
+                target=task.gold_of(doc),
                 strict_correct=float(strict["exact_match"]) == 1.0,
                 flexible_correct=float(flexible["exact_match"]) == 1.0,
                 strict_answer=str(strict["filtered_resps"][0]),
                 flexible_answer=str(flexible["filtered_resps"][0]),
-                no_number=str(flexible["filtered_resps"][0]) == REGEX_FALLBACK,
+                no_number=task.found_nothing(str(flexible["filtered_resps"][0])),
                 degenerate=is_degenerate(response if isinstance(response, str) else ""),
             )
         )
@@ -425,20 +380,18 @@ def samples_from_lmeval(logged: Sequence[Mapping[str, Any]]) -> tuple[SampleReco
 
 
 def metrics_from_lmeval(
-    results: Mapping[str, Any], samples: Sequence[SampleRecord]
+    task: GateTask, results: Mapping[str, Any], samples: Sequence[SampleRecord]
 ) -> dict[str, MetricSummary]:
-    res = results[TASK_NAME]
-    out = {}
-    for name in FILTERS:
-        acc = float(res[f"exact_match,{name}"])
-        se = res.get(f"exact_match_stderr,{name}")
-        n = len(samples)
-        mean = sum(s.correct(name) for s in samples) / n if n else 0.0
-        if abs(mean - acc) > 1e-9:
+    """lm-eval's accuracies of ``task``, checked against the per-sample outcomes."""
+    n = len(samples)
+    out = lmeval_role_metrics(task, results[task.name], n)
+    for role, summary in out.items():
+        mean = sum(s.correct(role) for s in samples) / n if n else 0.0
+        if abs(mean - summary.accuracy) > 1e-9:
             raise GateError(
-                f"lm-eval reports {name} accuracy {acc} but its samples average to {mean}"
+                f"lm-eval reports {role} accuracy {summary.accuracy} but its samples average "
+                f"to {mean}"
             )
-        out[name] = MetricSummary(acc, float(se) if isinstance(se, (int, float)) else None, n)
     return out
 
 
@@ -510,29 +463,38 @@ def _make_lm(model: Any) -> tuple[Any, str]:
 
 
 def run_gsm8k(model: ModelSpec | Any, settings: RunSettings) -> GateRecord:
-    """Evaluate GSM8K with lm-eval, write the record to ``settings.out`` and return it.
+    """:func:`run_task` on GSM8K (the gate's Python API before tasks were registered)."""
+    return run_task(GSM8K, model, settings)
+
+
+def run_task(task: GateTask, model: ModelSpec | Any, settings: RunSettings) -> GateRecord:
+    """Evaluate ``task`` with lm-eval, write the record to ``settings.out`` and return it.
 
     Raises GateError (one line) on bad settings or when the run fails; if any response was
     received before the failure, a partial record (status ``aborted``) is written first.
     """
-    if settings.num_fewshot < 0:
+    shots = task.num_fewshot if settings.num_fewshot is None else settings.num_fewshot
+    settings = replace(settings, num_fewshot=shots)  # the record says how many were used
+    if shots < 0:
         raise GateError("num_fewshot must be >= 0")
     if settings.limit is not None and settings.limit < 1:
         raise GateError("limit must be >= 1")
     if settings.max_gen_toks < 1:
         raise GateError("max_gen_toks must be >= 1")
     if settings.data_dir is not None:
-        data_source = check_data_dir(settings.data_dir, settings.num_fewshot)
+        data_source = task.check_data_dir(settings.data_dir, shots)
     else:
-        data_source = f"hub:{HUB_DATASET_PATH}/{HUB_DATASET_NAME}"
-    cfg = task_config(settings.data_dir)
-    proto = protocol_sha256(cfg, settings.num_fewshot, settings.max_gen_toks)
+        data_source = task.hub_source
+    cfg = task.lm_eval_config(settings.data_dir)
+    proto = protocol_sha256(cfg, shots, settings.max_gen_toks)
 
     try:
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
     except ImportError as exc:
-        raise GateError(f"the GSM8K gate needs lm-eval ({exc}); install mlacheck[eval]") from None
+        raise GateError(
+            f"the {task.title} gate needs lm-eval ({exc}); install mlacheck[eval]"
+        ) from None
 
     inner, backend = _make_lm(model)
     metadata = _metadata(settings, backend, data_source, proto)
@@ -540,25 +502,25 @@ def run_gsm8k(model: ModelSpec | Any, settings: RunSettings) -> GateRecord:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     with (
-        tempfile.TemporaryDirectory(prefix="mlacheck-gsm8k-") as task_dir,
+        tempfile.TemporaryDirectory(prefix=f"mlacheck-{task.name}-") as task_dir,
         responses_path(out).open("w", encoding="utf-8") as stream,
     ):
         # the generation budget goes in the task's own generation_kwargs: passed as lm-eval's
         # gen_kwargs it warns on every run ("Ensure 'do_sample=True'...") for greedy decoding
         run_cfg = {**cfg, "generation_kwargs": {**cfg["generation_kwargs"],
                                                 "max_gen_toks": settings.max_gen_toks}}
-        (Path(task_dir) / f"{TASK_NAME}.yaml").write_text(
+        (Path(task_dir) / f"{task.name}.yaml").write_text(
             yaml.safe_dump(run_cfg, sort_keys=False), encoding="utf-8"
         )
-        log = _ResponseLog(stream)
+        log = _ResponseLog(stream, task)
         failure: str | None = None
         results: Mapping[str, Any] | None = None
         with _quiet_orphaned_asyncio_tasks(), _quiet_git_probe():
             try:
                 results = simple_evaluate(
                     model=_recording_lm(inner, log),
-                    tasks=[TASK_NAME],
-                    num_fewshot=settings.num_fewshot,
+                    tasks=[task.name],
+                    num_fewshot=shots,
                     limit=settings.limit,
                     log_samples=True,
                     task_manager=TaskManager(include_path=task_dir, include_defaults=False),
@@ -569,30 +531,34 @@ def run_gsm8k(model: ModelSpec | Any, settings: RunSettings) -> GateRecord:
                 )
         if failure is not None:
             if not log.planned:
-                raise GateError(f"gsm8k run failed before any request was sent: {failure}")
-            _partial_record(log, metadata, failure).save(out)
+                raise GateError(f"{task.name} run failed before any request was sent: {failure}")
+            _partial_record(task, log, metadata, failure).save(out)
             raise GateError(
-                f"gsm8k run aborted after {len(log.answered)}/{len(log.planned)} responses "
+                f"{task.name} run aborted after {len(log.answered)}/{len(log.planned)} responses "
                 f"({failure}); partial record written to {out}"
             )
 
     if results is None:
         raise GateError("lm-eval returned no results (not rank 0?)")
-    samples = samples_from_lmeval(results["samples"][TASK_NAME])
+    samples = samples_from_lmeval(task, results["samples"][task.name])
     record = GateRecord(
         metadata=metadata,
-        metrics=metrics_from_lmeval(results["results"], samples),
-        n_planned=int(results["n-samples"][TASK_NAME]["effective"]),
+        metrics=metrics_from_lmeval(task, results["results"], samples),
+        n_planned=int(results["n-samples"][task.name]["effective"]),
         samples=samples,
         scored_by=SCORED_BY_LMEVAL,
+        task=task.name,
     )
     record.save(out)
     return record
 
 
-def _partial_record(log: _ResponseLog, metadata: RunMetadata, reason: str) -> GateRecord:
+def _partial_record(
+    task: GateTask, log: _ResponseLog, metadata: RunMetadata, reason: str
+) -> GateRecord:
     samples = tuple(
-        score_response(doc_id, doc, text) for doc_id, (doc, text) in sorted(log.answered.items())
+        score_response(doc_id, doc, text, task)
+        for doc_id, (doc, text) in sorted(log.answered.items())
     )
     planned_docs = {inst.doc_id for inst in log.planned}
     return GateRecord(
@@ -604,4 +570,5 @@ def _partial_record(log: _ResponseLog, metadata: RunMetadata, reason: str) -> Ga
         error=reason,
         failed_requests=len(planned_docs) - len(samples),
         scored_by=SCORED_BY_MIRROR,
+        task=task.name,
     )

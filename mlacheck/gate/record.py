@@ -1,10 +1,13 @@
-"""The record of one GSM8K gate run (or baseline): frozen dataclasses with JSON load/save.
+"""The record of one gate run (or baseline) of a task: frozen dataclasses with JSON load/save.
 
-A record holds, per document, whether each of lm-eval's two gsm8k filters scored the answer
-correct, what it extracted, and whether the output was invalid (no number) or degenerate
+A record holds, per document, whether the filters of the task's two scoring roles
+(strict-match, flexible-extract; see :mod:`mlacheck.gate.task`) scored the answer correct,
+what they extracted, and whether the output was invalid (no answer) or degenerate
 (repetition loop); the aggregate accuracies with their standard errors; whether the run
 completed; and free-form configuration metadata (model, server arguments, KV dtype,
 attention backend, versions, date). Baselines are records with a ``provenance`` note.
+A record names its task in its schema, ``mlacheck.gate.<task>/1``, so that it can be read
+without the task being registered.
 
 A record may be *aggregate-only* (no samples: e.g. a baseline taken from a published
 lm-eval results file); compare then falls back to unpaired statistics.
@@ -24,9 +27,20 @@ from pathlib import Path
 from typing import Any
 
 from mlacheck.gate.errors import GateError
-from mlacheck.gate.task import FILTERS, FLEXIBLE, STRICT, TASK_NAME
+from mlacheck.gate.task import FLEXIBLE, ROLES, STRICT, TASK_NAME_RE, GateTask
+from mlacheck.gate.tasks import DEFAULT_TASK, get_task
 
-SCHEMA = "mlacheck.gate.gsm8k/1"
+_SCHEMA_PREFIX, _SCHEMA_SUFFIX = "mlacheck.gate.", "/1"
+
+
+def schema_of(task: str) -> str:
+    """The schema string of a task's records; it names the task so that a record of one task
+    is never read as another's."""
+    return f"{_SCHEMA_PREFIX}{task}{_SCHEMA_SUFFIX}"
+
+
+# The schema of records that name no task (the default task's).
+SCHEMA = schema_of(DEFAULT_TASK)
 
 STATUS_COMPLETE = "complete"
 STATUS_ABORTED = "aborted"
@@ -42,12 +56,12 @@ class SampleRecord:
 
     doc_id: int
     doc_hash: str  # mlacheck.gate.task.doc_hash(question)
-    target: str  # the gold final number
+    target: str  # the gold answer (GateTask.gold_of: for GSM8K the final number)
     strict_correct: bool
     flexible_correct: bool
     strict_answer: str  # what the strict-match filter extracted ("[invalid]" if nothing)
     flexible_answer: str
-    no_number: bool  # the flexible-extract filter found no number at all
+    no_number: bool  # the flexible-extract filter found no answer (named for GSM8K's numbers)
     degenerate: bool  # repetition loop (mlacheck.gate.task.is_degenerate)
 
     @property
@@ -59,7 +73,7 @@ class SampleRecord:
             return self.strict_correct
         if metric == FLEXIBLE:
             return self.flexible_correct
-        raise GateError(f"unknown metric {metric!r}; expected one of {', '.join(FILTERS)}")
+        raise GateError(f"unknown metric {metric!r}; expected one of {', '.join(ROLES)}")
 
 
 @dataclass(frozen=True)
@@ -109,7 +123,7 @@ class Provenance:
 @dataclass(frozen=True)
 class GateRecord:
     metadata: RunMetadata
-    metrics: Mapping[str, MetricSummary]  # keyed by filter name (STRICT, FLEXIBLE)
+    metrics: Mapping[str, MetricSummary]  # keyed by role (STRICT, FLEXIBLE)
     n_planned: int  # documents lm-eval was asked to evaluate
     samples: tuple[SampleRecord, ...] = ()
     status: str = STATUS_COMPLETE
@@ -117,6 +131,7 @@ class GateRecord:
     failed_requests: int = 0  # requests left without a response when the run aborted
     scored_by: str = SCORED_BY_LMEVAL
     provenance: Provenance | None = None
+    task: str = DEFAULT_TASK  # name of the gate task that was run
 
     @property
     def has_samples(self) -> bool:
@@ -144,7 +159,7 @@ class GateRecord:
 
     def to_json_dict(self) -> dict[str, Any]:
         return {
-            "schema": SCHEMA,
+            "schema": schema_of(self.task),
             "status": self.status,
             "error": self.error,
             "n_planned": self.n_planned,
@@ -174,13 +189,17 @@ class GateRecord:
 
     @classmethod
     def from_json_dict(cls, data: Mapping[str, Any]) -> GateRecord:
-        if data.get("schema") != SCHEMA:
-            raise GateError(f"unsupported schema {data.get('schema')!r} (expected {SCHEMA!r})")
+        schema = str(data.get("schema"))
+        task = schema.removeprefix(_SCHEMA_PREFIX).removesuffix(_SCHEMA_SUFFIX)
+        if schema != schema_of(task) or not TASK_NAME_RE.match(task):
+            raise GateError(
+                f"unsupported schema {data.get('schema')!r} (expected 'mlacheck.gate.<task>/1')"
+            )
         status = data["status"]
         if status not in STATUSES:
             raise GateError(f"unknown status {status!r}")
         metrics = {k: _metric_from_dict(v) for k, v in data["metrics"].items()}
-        unknown = set(metrics) - set(FILTERS)
+        unknown = set(metrics) - set(ROLES)
         if unknown:
             raise GateError(f"unknown metrics {sorted(unknown)}")
         samples = tuple(_sample_from_dict(s) for s in data.get("samples", []))
@@ -198,6 +217,7 @@ class GateRecord:
             failed_requests=int(data.get("failed_requests", 0)),
             scored_by=str(data.get("scored_by", SCORED_BY_LMEVAL)),
             provenance=Provenance(**prov) if prov else None,
+            task=task,
         )
 
     @classmethod
@@ -281,33 +301,44 @@ def metrics_from_samples(samples: tuple[SampleRecord, ...]) -> dict[str, MetricS
 
     n = len(samples)
     out: dict[str, MetricSummary] = {}
-    for name in FILTERS:
+    for name in ROLES:
         k = sum(s.correct(name) for s in samples)
         out[name] = MetricSummary(k / n if n else 0.0, mean_stderr(k, n), n)
     return out
 
 
-def record_from_lmeval_results(data: Mapping[str, Any], source: str) -> GateRecord:
-    """An aggregate-only record from an lm-eval results JSON (``results_*.json``) that
-    contains the gsm8k task. Used to promote published/old results as unpaired baselines."""
+def lmeval_role_metrics(
+    task: GateTask, results: Mapping[str, Any], n: int
+) -> dict[str, MetricSummary]:
+    """Role metrics from lm-eval's results entry of ``task`` (``exact_match,<filter>`` and
+    its stderr, which lm-eval writes as "N/A" when it has none)."""
+    out = {}
+    for role in ROLES:
+        name = task.role_filters[role]
+        se = results.get(f"exact_match_stderr,{name}")
+        stderr = float(se) if isinstance(se, (int, float)) else None
+        out[role] = MetricSummary(float(results[f"exact_match,{name}"]), stderr, n)
+    return out
+
+
+def record_from_lmeval_results(
+    data: Mapping[str, Any], source: str, task: GateTask | None = None
+) -> GateRecord:
+    """An aggregate-only record of ``task`` (default: the default task) from an lm-eval
+    results JSON (``results_*.json``) that contains it. Used to promote published/old results
+    as unpaired baselines."""
+    task = task or get_task(DEFAULT_TASK)
     try:
-        res = data["results"][TASK_NAME]
-        n = int(data["n-samples"][TASK_NAME]["effective"])
-        metrics = {}
-        for name in FILTERS:
-            acc = float(res[f"exact_match,{name}"])
-            se = res.get(f"exact_match_stderr,{name}")
-            metrics[name] = MetricSummary(
-                acc, float(se) if isinstance(se, (int, float)) else None, n
-            )
+        n = int(data["n-samples"][task.name]["effective"])
+        metrics = lmeval_role_metrics(task, data["results"][task.name], n)
     except (KeyError, TypeError, ValueError) as exc:
         raise GateError(
-            f"{source}: not an lm-eval results file with a {TASK_NAME!r} task ({exc!r})"
+            f"{source}: not an lm-eval results file with a {task.name!r} task ({exc!r})"
         ) from None
     config = data.get("config") or {}
     model_args = config.get("model_args")
     versions = {"lm_eval": str(data["lm_eval_version"])} if "lm_eval_version" in data else {}
-    shots = (data.get("n-shot") or {}).get(TASK_NAME)
+    shots = (data.get("n-shot") or {}).get(task.name)
     return GateRecord(
         metadata=RunMetadata(
             model=str(model_args if model_args else config.get("model", "unknown")),
@@ -318,4 +349,5 @@ def record_from_lmeval_results(data: Mapping[str, Any], source: str) -> GateReco
         ),
         metrics=metrics,
         n_planned=n,
+        task=task.name,
     )

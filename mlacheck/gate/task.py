@@ -1,15 +1,24 @@
-"""The GSM8K task definition the gate runs, and per-sample scoring helpers (pure).
+"""A gate task: one lm-eval generative task pinned as data, and the gate's scoring of it (pure).
 
-``GSM8K_TASK_CONFIG`` mirrors lm-eval 0.4.13's ``lm_eval/tasks/gsm8k/gsm8k.yaml``
-(task version 3.0) field for field; ``tests/unit/gate`` checks it against the installed
-lm-eval so that drift is caught when lm-eval is upgraded. The gate pins its own copy rather
-than reading lm-eval's file at run time so that baselines recorded months apart used the
-same prompt, stop sequences, filters and metric.
+A :class:`GateTask` holds the task config the gate hands to lm-eval, copied from lm-eval's
+YAML into the package rather than read from lm-eval at run time, so that baselines recorded
+months apart used the same prompt, stop sequences, filters and metric (each task's test
+compares its copy with the installed lm-eval). Around it: which document fields identify a
+question and hold its answer, the offline data files, and the words reports use. Tasks are
+registered by name in :mod:`mlacheck.gate.tasks`; the name also gives a task's record schema
+(:mod:`mlacheck.gate.record`), report files (:mod:`mlacheck.gate.compare`) and baselines
+directory (:mod:`mlacheck.gate.cli`).
 
-The scoring helpers re-implement lm-eval's ``regex`` + ``take_first`` filters and its
-``exact_match`` metric for the two filters of this config. They are only used to score the
-responses of a run that aborted before lm-eval could score it (partial record), and to flag
-outputs without a number; complete runs take correctness from lm-eval itself.
+Every task is scored with lm-eval's ``exact_match`` under two *roles*: ``strict-match``, the
+answer in the format the prompt teaches (what the gate decides on by default), and
+``flexible-extract``, a lenient extraction reported alongside, whose finding nothing makes an
+output invalid. A task maps each role to one of its lm-eval filters (both to the same one
+when it has a single filter).
+
+The scoring methods mirror lm-eval's filter steps (``regex``, ``remove_whitespace``,
+``lowercase``, ``uppercase``, ``take_first``) and its ``exact_match`` options. They only score
+the responses of a run that aborted before lm-eval could score it (partial record), and flag
+outputs without an answer; complete runs take correctness from lm-eval itself.
 """
 
 from __future__ import annotations
@@ -18,82 +27,36 @@ import copy
 import hashlib
 import json
 import re
+import string
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Name under which the generated task is registered with lm-eval's TaskManager. The gate's
-# TaskManager is built with include_defaults=False, so it cannot clash with lm-eval's own.
-TASK_NAME = "gsm8k"
-
-# Hugging Face dataset used when no local data directory is given (as in lm-eval's yaml).
-HUB_DATASET_PATH = "openai/gsm8k"
-HUB_DATASET_NAME = "main"
-
-# File names of an offline data directory: GSM8K's own release layout
-# (github.com/openai/grade-school-math, grade_school_math/data/{train,test}.jsonl).
-DATA_TRAIN_FILE = "train.jsonl"
-DATA_TEST_FILE = "test.jsonl"
+from mlacheck.gate.errors import GateError
 
 STRICT = "strict-match"
 FLEXIBLE = "flexible-extract"
-FILTERS = (STRICT, FLEXIBLE)
+ROLES = (STRICT, FLEXIBLE)
 
-# lm-eval's RegexFilter returns this when the pattern does not match.
+# lm-eval's RegexFilter returns this when the pattern does not match (its default fallback).
 REGEX_FALLBACK = "[invalid]"
+# The filter lm-eval applies to a task without a filter_list: take_first, named "none".
+NO_FILTER = "none"
 
-# lm-eval 0.4.13 lm_eval/tasks/gsm8k/gsm8k.yaml, verbatim apart from YAML -> Python syntax.
-GSM8K_TASK_CONFIG: dict[str, Any] = {
-    "tag": ["math_word_problems"],
-    "task": "gsm8k",
-    "dataset_path": HUB_DATASET_PATH,
-    "dataset_name": HUB_DATASET_NAME,
-    "output_type": "generate_until",
-    "training_split": "train",
-    "fewshot_split": "train",
-    "test_split": "test",
-    "doc_to_text": "Question: {{question}}\nAnswer:",
-    "doc_to_target": "{{answer}}",
-    "metric_list": [
-        {
-            "metric": "exact_match",
-            "aggregation": "mean",
-            "higher_is_better": True,
-            "ignore_case": True,
-            "ignore_punctuation": False,
-            "regexes_to_ignore": [",", "\\$", "(?s).*#### ", "\\.$"],
-        }
-    ],
-    "generation_kwargs": {
-        "until": ["Question:", "</s>", "<|im_end|>"],
-        "do_sample": False,
-        "temperature": 0.0,
-    },
-    "repeats": 1,
-    "num_fewshot": 5,
-    "filter_list": [
-        {
-            "name": STRICT,
-            "filter": [
-                {"function": "regex", "regex_pattern": "#### (\\-?[0-9\\.\\,]+)"},
-                {"function": "take_first"},
-            ],
-        },
-        {
-            "name": FLEXIBLE,
-            "filter": [
-                {
-                    "function": "regex",
-                    "group_select": -1,
-                    "regex_pattern": "(-?[$0-9.,]{2,})|(-?[0-9]+)",
-                },
-                {"function": "take_first"},
-            ],
-        },
-    ],
-    "metadata": {"version": 3.0},
+# lm-eval filter functions the scoring mirror reproduces, other than "regex" (text -> text).
+_TEXT_STEPS: dict[str, Callable[[str], str]] = {
+    "remove_whitespace": str.strip,
+    "lowercase": str.lower,
+    "uppercase": str.upper,
+    "take_first": str,  # one response per request: the first is the response itself
 }
+_SPLIT_KEYS = ("training_split", "validation_split", "fewshot_split", "test_split")
+_NO_PUNCTUATION = str.maketrans("", "", string.punctuation)
+_NO_DIGITS = str.maketrans("", "", string.digits)
+# A task name is an lm-eval task name, a CLI word and part of file names.
+TASK_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 
 # Fields that only say where the documents come from; everything else defines the protocol.
 _DATASET_FIELDS = ("task", "tag", "dataset_path", "dataset_name", "dataset_kwargs")
@@ -102,7 +65,7 @@ _DATASET_FIELDS = ("task", "tag", "dataset_path", "dataset_name", "dataset_kwarg
 # a response is degenerate if some run of REPEAT_NGRAM_WORDS whitespace-separated words occurs
 # at least REPEAT_NGRAM_MIN_COUNT times, or if a unit of at most REPEAT_UNIT_MAX_CHARS
 # characters repeats back to back at least REPEAT_UNIT_MIN_COUNT times. Chosen so that
-# ordinary GSM8K solutions (a few sentences with distinct numbers, decimals such as
+# ordinary worked answers (a few GSM8K sentences with distinct numbers, decimals such as
 # 0.3333333333333333 with 16 repeated digits) are not flagged, while "the the the ...",
 # sentence loops and "!!!!..." / "ababab..." tails are.
 REPEAT_NGRAM_WORDS = 6
@@ -113,25 +76,6 @@ REPEAT_UNIT_MIN_COUNT = 20
 _REPEAT_UNIT_RE = re.compile(
     rf"(.{{1,{REPEAT_UNIT_MAX_CHARS}}}?)\1{{{REPEAT_UNIT_MIN_COUNT - 1},}}", re.DOTALL
 )
-
-
-def task_config(data_dir: Path | None) -> dict[str, Any]:
-    """The task config to hand to lm-eval: the mirrored gsm8k config, reading from the hub,
-    or from ``data_dir/{train,test}.jsonl`` through the ``json`` dataset builder."""
-    cfg = copy.deepcopy(GSM8K_TASK_CONFIG)
-    cfg["task"] = TASK_NAME
-    if data_dir is not None:
-        data_dir = data_dir.resolve()
-        cfg.pop("tag", None)
-        cfg.pop("dataset_name", None)
-        cfg["dataset_path"] = "json"
-        cfg["dataset_kwargs"] = {
-            "data_files": {
-                "train": str(data_dir / DATA_TRAIN_FILE),
-                "test": str(data_dir / DATA_TEST_FILE),
-            }
-        }
-    return cfg
 
 
 def protocol_sha256(cfg: Mapping[str, Any], num_fewshot: int, max_gen_toks: int) -> str:
@@ -150,46 +94,188 @@ def doc_hash(question: str) -> str:
     return hashlib.sha256(question.encode("utf-8")).hexdigest()[:16]
 
 
-def gold_answer(answer: str) -> str:
-    """The final number of a GSM8K answer field (the text after ``#### ``)."""
-    return answer.split("#### ")[-1].strip()
+@dataclass(frozen=True)
+class GateTask:
+    """One lm-eval generative task with an exact-match (numeric or text) answer, as the gate
+    runs, records and reports it. Checked when made: a task the gate cannot mirror fails at
+    import, not in the middle of a run."""
+
+    name: str  # lm-eval task name (config["task"]) and CLI word
+    title: str  # how reports name it, e.g. "GSM8K"
+    config: Mapping[str, Any]  # the pinned lm-eval task config (its YAML as Python)
+    question_field: str  # document field that identifies a question (hashed into doc_hash)
+    answer_field: str  # document field lm-eval's doc_to_target renders (the scoring target)
+    gold: Callable[[str], str] = str.strip  # answer field -> the gold answer a record shows
+    answer_marker: str = ""  # text every answer field of the offline data contains
+    role_filters: Mapping[str, str] = field(  # role -> name of the lm-eval filter playing it
+        default_factory=lambda: {STRICT: STRICT, FLEXIBLE: FLEXIBLE}
+    )
+    data_files: Mapping[str, str] = field(  # split -> file name in an offline data directory
+        default_factory=lambda: {"train": "train.jsonl", "test": "test.jsonl"}
+    )
+    no_answer: str = "without an answer"  # reports: outputs the flexible filter found nothing in
+
+    def __post_init__(self) -> None:
+        problems = self._definition_problems()
+        if problems:
+            raise ValueError(f"gate task {self.name!r}: {'; '.join(problems)}")
+
+    def _definition_problems(self) -> list[str]:
+        cfg, out = self.config, []
+        if not TASK_NAME_RE.match(self.name):
+            out.append(f"name must match {TASK_NAME_RE.pattern}")
+        if cfg.get("task") != self.name:
+            out.append(f"config names task {cfg.get('task')!r}")
+        if cfg.get("output_type") != "generate_until":
+            out.append("only generate_until tasks can be gated")
+        if [m.get("metric") for m in cfg.get("metric_list") or ()] != ["exact_match"]:
+            out.append("metric_list must be exactly one exact_match")
+        if cfg.get("doc_to_target") != "{{" + self.answer_field + "}}":
+            out.append(f"doc_to_target must be the answer field {{{{{self.answer_field}}}}}")
+        filters = self._filters()
+        if set(self.role_filters) != set(ROLES):
+            out.append(f"role_filters must map exactly {', '.join(ROLES)}")
+        for role, name in self.role_filters.items():
+            if name not in filters:
+                out.append(f"{role} maps to unknown filter {name!r}")
+        for name, steps in filters.items():
+            for fn in (step.get("function") for step in steps):
+                if fn != "regex" and fn not in _TEXT_STEPS:
+                    out.append(f"filter {name!r} uses {fn!r}, which the gate does not mirror")
+        if "test_split" not in cfg:
+            out.append("config has no test_split")
+        for key in _SPLIT_KEYS:
+            if key in cfg and cfg[key] not in self.data_files:
+                out.append(f"{key} {cfg[key]!r} has no data file")
+        return out
+
+    # --- lm-eval -----------------------------------------------------------------------
+
+    @property
+    def num_fewshot(self) -> int:
+        """The task's own number of shots (lm-eval's default for it)."""
+        return int(self.config.get("num_fewshot", 0))
+
+    @property
+    def hub_source(self) -> str:
+        """Data-source line of a run reading the hub dataset of the config."""
+        name = self.config.get("dataset_name")
+        return f"hub:{self.config['dataset_path']}" + (f"/{name}" if name else "")
+
+    def lm_eval_config(self, data_dir: Path | None) -> dict[str, Any]:
+        """The config to hand to lm-eval: the pinned one, reading from the hub, or from the
+        ``data_files`` under ``data_dir`` through the ``json`` dataset builder."""
+        cfg = copy.deepcopy(dict(self.config))
+        if data_dir is not None:
+            data_dir = data_dir.resolve()
+            cfg.pop("tag", None)
+            cfg.pop("dataset_name", None)
+            cfg["dataset_path"] = "json"
+            cfg["dataset_kwargs"] = {
+                "data_files": {split: str(data_dir / f) for split, f in self.data_files.items()}
+            }
+        return cfg
+
+    def check_data_dir(self, data_dir: Path, num_fewshot: int) -> str:
+        """Validate an offline data directory; return its data-source line (with the test
+        file's digest, so that a record says which questions it answered)."""
+        if not data_dir.is_dir():
+            raise GateError(f"data directory {data_dir} does not exist")
+        fewshot_split = self.config.get("fewshot_split", self.config.get("training_split"))
+        marker = f"... {self.answer_marker}..." if self.answer_marker else "..."
+        shape = f'{{"{self.question_field}": ..., "{self.answer_field}": "{marker}"}}'
+        digests = {}
+        for split, name in self.data_files.items():
+            path = data_dir / name
+            if not path.is_file():
+                raise GateError(f"data directory {data_dir} has no {name}")
+            raw = path.read_bytes()
+            rows = 0
+            for lineno, line in enumerate(raw.decode("utf-8", "replace").splitlines(), 1):
+                if not line.strip():
+                    continue
+                if not self._is_doc(line):
+                    raise GateError(f"{path}:{lineno}: not a {self.title} record (need {shape})")
+                rows += 1
+            if rows == 0:
+                raise GateError(f"{path} is empty")
+            if split == fewshot_split and rows < num_fewshot:
+                raise GateError(f"{path} has {rows} examples, fewer than {num_fewshot} shots")
+            digests[split] = hashlib.sha256(raw).hexdigest()[:16]
+        test = self.config["test_split"]
+        return f"json:{data_dir.resolve()} {self.data_files[test]} sha256={digests[test]}"
+
+    def _is_doc(self, line: str) -> bool:
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            return False
+        if not isinstance(doc, dict) or not isinstance(doc.get(self.question_field), str):
+            return False
+        answer = doc.get(self.answer_field)
+        return isinstance(answer, str) and self.answer_marker in answer
+
+    # --- documents and scoring ---------------------------------------------------------
+
+    def hash_doc(self, doc: Mapping[str, Any]) -> str:
+        """A document's identity in records: doc_hash of its question field."""
+        return doc_hash(doc[self.question_field])
+
+    def gold_of(self, doc: Mapping[str, Any]) -> str:
+        """The gold answer a record shows for a document."""
+        return self.gold(doc[self.answer_field])
+
+    def _filters(self) -> dict[str, list[Mapping[str, Any]]]:
+        entries = self.config.get("filter_list") or ()
+        return {e["name"]: list(e["filter"]) for e in entries} or {
+            NO_FILTER: [{"function": "take_first"}]
+        }
+
+    def extract(self, response: str, role: str) -> str:
+        """Mirror of what lm-eval's filter for ``role`` extracts from ``response``."""
+        text = response
+        for step in self._filters()[self.role_filters[role]]:
+            fn = step["function"]
+            text = _regex_step(text, step) if fn == "regex" else _TEXT_STEPS[fn](text)
+        return text
+
+    def found_nothing(self, flexible_answer: str) -> bool:
+        """True if the flexible role's filter extracted no answer (blank or its fallback)."""
+        steps = self._filters()[self.role_filters[FLEXIBLE]]
+        fallbacks = {s.get("fallback", REGEX_FALLBACK) for s in steps if s["function"] == "regex"}
+        return not flexible_answer.strip() or flexible_answer in fallbacks
+
+    def exact_match(self, prediction: str, target: str) -> bool:
+        """Mirror of lm-eval's ``exact_match`` with this task's options; ``target`` is the
+        answer field (for GSM8K the whole worked answer: ``(?s).*#### `` reduces it)."""
+        return self._normalise(prediction) == self._normalise(target)
+
+    def _normalise(self, text: str) -> str:
+        opts = self.config["metric_list"][0]
+        for pattern in opts.get("regexes_to_ignore") or ():
+            text = re.sub(pattern, "", text)
+        if opts.get("ignore_case"):
+            text = text.lower()
+        if opts.get("ignore_punctuation"):
+            text = text.translate(_NO_PUNCTUATION)
+        if opts.get("ignore_numbers"):
+            text = text.translate(_NO_DIGITS)
+        return text
 
 
-def _filter_spec(name: str) -> Mapping[str, Any]:
-    for entry in GSM8K_TASK_CONFIG["filter_list"]:
-        if entry["name"] == name:
-            return entry["filter"][0]
-    raise KeyError(name)
-
-
-def extract(response: str, filter_name: str) -> str:
-    """Mirror of lm-eval's ``regex`` filter followed by ``take_first`` for ``filter_name``."""
-    spec = _filter_spec(filter_name)
-    matches = re.findall(spec["regex_pattern"], response)
+def _regex_step(text: str, step: Mapping[str, Any]) -> str:
+    """Mirror of lm-eval's ``regex`` filter on one response."""
+    fallback = step.get("fallback", REGEX_FALLBACK)
+    matches = re.findall(step["regex_pattern"], text)
     if not matches:
-        return REGEX_FALLBACK
-    match = matches[spec.get("group_select", 0)]
+        return fallback
+    match = matches[step.get("group_select", 0)]
     if isinstance(match, tuple):
         parts = [m for m in match if m]
         if not parts:
-            return REGEX_FALLBACK
+            return fallback
         match = parts[0]
     return match.strip()
-
-
-def _normalise(text: str) -> str:
-    metric = GSM8K_TASK_CONFIG["metric_list"][0]
-    for pattern in metric["regexes_to_ignore"]:
-        text = re.sub(pattern, "", text)
-    if metric["ignore_case"]:
-        text = text.lower()
-    return text
-
-
-def exact_match(prediction: str, target: str) -> bool:
-    """Mirror of lm-eval's ``exact_match`` with the gsm8k metric options (``target`` is the
-    full answer field; ``(?s).*#### `` reduces it to the final number)."""
-    return _normalise(prediction) == _normalise(target)
 
 
 def is_degenerate(response: str) -> bool:

@@ -10,8 +10,8 @@ import pytest
 
 from mlacheck.e2e import problems as P
 from mlacheck.e2e.tokenizer import CharTokenizer, load_tokenizer
-from mlacheck.gate.lmeval_runner import check_data_dir
-from mlacheck.gate.task import STRICT, extract, gold_answer
+from mlacheck.gate.task import STRICT
+from mlacheck.gate.tasks.gsm8k import GSM8K, gold_answer
 
 STEP = re.compile(r"(\d+) ([-+*/]) (\d+) = \$?(\d+)")
 OPS = {
@@ -38,7 +38,7 @@ def test_answers_are_worked_and_right() -> None:
         # every number the first step uses comes from the question
         assert {steps[0][1], steps[0][3]} <= set(re.findall(r"\d+", p.question)) | {"2"}, p
         # lm-eval's strict-match filter reads the final answer
-        assert extract(f" {p.answer}", STRICT) == gold_answer(p.answer) == str(p.final)
+        assert GSM8K.extract(f" {p.answer}", STRICT) == gold_answer(p.answer) == str(p.final)
         assert len(P.prompt(p.question)) + len(P.target(p.answer)) + 2 <= 256
 
 
@@ -58,7 +58,7 @@ def test_deterministic_by_seed_and_splits_disjoint() -> None:
 
 def test_data_dir_is_what_the_gate_reads(tmp_path: Path) -> None:
     d = P.write_gsm8k_dir(tmp_path / "data", n_train=10, n_test=30)
-    assert check_data_dir(d, 0).startswith("json:")
+    assert GSM8K.check_data_dir(d, 0).startswith("json:")
     rows = [json.loads(x) for x in (d / "test.jsonl").read_text().splitlines()]
     assert [r["question"] for r in rows] == [p.question for p in P.held_out_set(30)]
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import re
 import socket
-import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _gate_fakes import FakeServer
 
 from mlacheck.gate.cli import main
 from mlacheck.gate.compare import GatePolicy, compare
@@ -146,67 +145,23 @@ def test_bad_data_dir(tmp_path: Path, gsm8k: Any) -> None:
 _QUESTION_RE = re.compile(r"Question: (.*?)\nAnswer:$", re.DOTALL)
 
 
-class _QuietServer(ThreadingHTTPServer):
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        pass  # clients dropping connections when the run aborts are expected
+def _answers(case: Any) -> Callable[[str], str | None]:
+    """The fake model's answer to a prompt whose last question is one of the test set's."""
+    answers = {d["question"]: case.answer(i, d) for i, d in enumerate(case.test)}
 
+    def answer(prompt: str) -> str | None:
+        m = _QUESTION_RE.search(prompt.split("\n\n")[-1])
+        return answers.get(m.group(1)) if m else None
 
-class _FakeServer:
-    """Serves /v1/completions with canned answers; after ``fail_after`` completions of the
-    data set's questions it answers HTTP 500."""
-
-    def __init__(self, case: Any, fail_after: int | None = None) -> None:
-        answers = {d["question"]: case.answer(i, d) for i, d in enumerate(case.test)}
-        self.served = 0
-        lock = threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
-                texts = []
-                for prompt in prompts:
-                    m = _QUESTION_RE.search(prompt.split("\n\n")[-1])
-                    texts.append(answers.get(m.group(1), " 2") if m else " 2")
-                with lock:
-                    if m and m.group(1) in answers:
-                        if fail_after is not None and server.served >= fail_after:
-                            self.send_response(500)
-                            self.end_headers()
-                            self.wfile.write(b"internal error")
-                            return
-                        server.served += 1
-                payload = {"choices": [{"index": i, "text": t} for i, t in enumerate(texts)]}
-                data = json.dumps(payload).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = _QuietServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> _FakeServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    return answer
 
 
 @pytest.fixture
-def fake_server(gsm8k: Any) -> Iterator[Callable[..., _FakeServer]]:
-    servers: list[_FakeServer] = []
+def fake_server(gsm8k: Any) -> Iterator[Callable[..., FakeServer]]:
+    servers: list[FakeServer] = []
 
-    def start(**kw: Any) -> _FakeServer:
-        server = _FakeServer(gsm8k, **kw).__enter__()
+    def start(**kw: Any) -> FakeServer:
+        server = FakeServer(_answers(gsm8k), **kw).__enter__()
         servers.append(server)
         return server
 
@@ -227,7 +182,7 @@ def _run_cli(url: str, out: Path, data_dir: Path, *extra: str) -> list[str]:
 def test_local_completions_through_the_cli(
     tmp_path: Path,
     gsm8k: Any,
-    fake_server: Callable[..., _FakeServer],
+    fake_server: Callable[..., FakeServer],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     server = fake_server()
@@ -253,7 +208,7 @@ def test_local_completions_through_the_cli(
 def test_server_failing_mid_run(
     tmp_path: Path,
     gsm8k: Any,
-    fake_server: Callable[..., _FakeServer],
+    fake_server: Callable[..., FakeServer],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     server = fake_server(fail_after=4)
@@ -288,3 +243,18 @@ def test_dead_server_exits_2_with_one_line(
     assert len(lines) == 1 and lines[0].startswith("mlacheck gate: error: cannot reach server")
     assert url in lines[0]
     assert not out.exists()
+
+
+def test_a_gate_run_prints_no_git_or_sampling_noise(
+    tmp_path: Path, gsm8k: Any, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 16: outside a git checkout lm-eval's `git describe` printed `fatal: not a git
+    repository`, and lm-eval warned on every greedy run to ensure do_sample=True."""
+    monkeypatch.chdir(tmp_path)  # not a git checkout
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    caplog.set_level("WARNING")
+    run_gsm8k(FakeLM(gsm8k), _settings(tmp_path / "run.json", gsm8k.data_dir))
+    err = capfd.readouterr().err + caplog.text
+    assert "not a git repository" not in err
+    assert not [r.getMessage() for r in caplog.records if "do_sample" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""The mirrored lm-eval gsm8k task and the scoring helpers."""
+"""The GSM8K gate task (mirrored lm-eval config, scoring mirror) and the scoring helpers."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from mlacheck.gate import task
+from mlacheck.gate.tasks.gsm8k import GSM8K, GSM8K_TASK_CONFIG, gold_answer
 
 
 def _installed_gsm8k_yaml() -> dict:
@@ -18,14 +19,14 @@ def _installed_gsm8k_yaml() -> dict:
 
 def test_config_mirrors_installed_lm_eval_gsm8k_yaml() -> None:
     installed = _installed_gsm8k_yaml()
-    assert installed == task.GSM8K_TASK_CONFIG
+    assert installed == GSM8K_TASK_CONFIG
 
 
 def test_hub_config_is_lm_eval_config_and_offline_config_only_moves_the_data(
     tmp_path: Path,
 ) -> None:
-    assert task.task_config(None) == task.GSM8K_TASK_CONFIG
-    offline = task.task_config(tmp_path)
+    assert GSM8K.lm_eval_config(None) == GSM8K_TASK_CONFIG
+    offline = GSM8K.lm_eval_config(tmp_path)
     assert offline["dataset_path"] == "json"
     assert offline["dataset_kwargs"]["data_files"] == {
         "train": str(tmp_path.resolve() / "train.jsonl"),
@@ -33,16 +34,16 @@ def test_hub_config_is_lm_eval_config_and_offline_config_only_moves_the_data(
     }
     moved = {"tag", "dataset_path", "dataset_name", "dataset_kwargs"}
     strip = lambda c: {k: v for k, v in c.items() if k not in moved}  # noqa: E731
-    assert strip(offline) == strip(task.GSM8K_TASK_CONFIG)
+    assert strip(offline) == strip(GSM8K_TASK_CONFIG)
     assert "include" not in offline
 
 
 def test_protocol_hash_ignores_data_location_but_not_protocol(tmp_path: Path) -> None:
-    hub = task.protocol_sha256(task.task_config(None), 5, 256)
-    assert task.protocol_sha256(task.task_config(tmp_path), 5, 256) == hub
-    assert task.protocol_sha256(task.task_config(None), 8, 256) != hub
-    assert task.protocol_sha256(task.task_config(None), 5, 512) != hub
-    changed = task.task_config(None)
+    hub = task.protocol_sha256(GSM8K.lm_eval_config(None), 5, 256)
+    assert task.protocol_sha256(GSM8K.lm_eval_config(tmp_path), 5, 256) == hub
+    assert task.protocol_sha256(GSM8K.lm_eval_config(None), 8, 256) != hub
+    assert task.protocol_sha256(GSM8K.lm_eval_config(None), 5, 512) != hub
+    changed = GSM8K.lm_eval_config(None)
     changed["doc_to_text"] = "Q: {{question}}\nA:"
     assert task.protocol_sha256(changed, 5, 256) != hub
 
@@ -60,15 +61,15 @@ RESPONSES = [
 
 
 @pytest.mark.parametrize("response", RESPONSES)
-@pytest.mark.parametrize("name", task.FILTERS)
+@pytest.mark.parametrize("name", task.ROLES)
 def test_extract_matches_lm_eval_regex_filter(response: str, name: str) -> None:
     pytest.importorskip("lm_eval", reason="lm-eval's filter is the reference")
     from lm_eval.filters.extraction import RegexFilter
 
-    spec = next(f for f in task.GSM8K_TASK_CONFIG["filter_list"] if f["name"] == name)["filter"][0]
+    spec = next(f for f in GSM8K_TASK_CONFIG["filter_list"] if f["name"] == name)["filter"][0]
     kwargs = {k: v for k, v in spec.items() if k != "function"}
     expected = RegexFilter(**kwargs).apply([[response]], [{}])[0][0]
-    assert task.extract(response, name) == expected
+    assert GSM8K.extract(response, name) == expected
 
 
 @pytest.mark.parametrize(
@@ -88,11 +89,11 @@ def test_exact_match_matches_lm_eval_metric(prediction: str, target: str) -> Non
 
     opts = {
         k: v
-        for k, v in task.GSM8K_TASK_CONFIG["metric_list"][0].items()
+        for k, v in GSM8K_TASK_CONFIG["metric_list"][0].items()
         if k in ("regexes_to_ignore", "ignore_case", "ignore_punctuation")
     }
     expected = bool(exact_match_hf_evaluate([prediction], [target], **opts)["exact_match"] == 1.0)
-    assert task.exact_match(prediction, target) is expected
+    assert GSM8K.exact_match(prediction, target) is expected
 
 
 def test_degenerate_detection() -> None:
@@ -115,4 +116,4 @@ def test_doc_hash_and_gold() -> None:
     assert task.doc_hash("What is 1+1?") == task.doc_hash("What is 1+1?")
     assert task.doc_hash("What is 1+1?") != task.doc_hash("What is 1+2?")
     assert len(task.doc_hash("q")) == 16
-    assert task.gold_answer("step\n#### 1,200") == "1,200"
+    assert gold_answer("step\n#### 1,200") == "1,200"
