@@ -154,7 +154,7 @@ CLASSES: tuple[BoundaryClass, ...] = (
                   "a last page only partly filled: tails must be masked, lengths right",
                   (DECODE, PAGED), _partial_last_page),
     BoundaryClass("empty-request", "a decode request with no query token (padded batch slot)",
-                  (DECODE,), lambda c: isinstance(c, DecodeCase | SparseDecodeCase)
+                  (DECODE, SPARSE), lambda c: isinstance(c, DecodeCase | SparseDecodeCase)
                   and c.has_empty),
     BoundaryClass("empty-segment", "a prefill segment with no query token (repeated cu_seqlens)",
                   (PREFILL, PAGED), lambda c: isinstance(c, PrefillCase) and c.has_empty),

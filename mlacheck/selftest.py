@@ -348,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plant the faults in this backend where their mechanism allows (e.g. "
                         "aiter on a ROCm GPU); the others keep their default backend")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu",
+                   help="where faults and correct backends run: cpu (default), cuda, cuda:N")
     return p
 
 

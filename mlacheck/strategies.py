@@ -6,7 +6,10 @@ by construction, not filtered), bounded to CPU-cheap sizes by default; the keywo
 arguments widen them. Choice lists are ordered simplest first (bf16, 16 heads, page size 16,
 one request, q_len 1, no context, causal), because Hypothesis shrinks `sampled_from` toward
 the first element and integers toward their lower bound: a failure shrinks to the simplest
-case that still fails, which is what a kernel engineer wants to debug.
+case that still fails, which is what a kernel engineer wants to debug. The boundary classes
+of mlacheck/boundaries.py (tile-boundary lengths, empty requests / segments, per-token
+scales; long kv and wide page ids on request) are the first branch of each choice, so a
+search meets them early and a failure that needs one keeps it.
 
 `find_failing_case(backend, strategy)` searches (derandomized, no example database, so CI
 runs are reproducible) and returns the shrunk case with its verdict.
@@ -22,7 +25,7 @@ from hypothesis.errors import NoSuchExample
 
 from mlacheck import layouts as kv_layouts
 from mlacheck.backends.base import Backend
-from mlacheck.boundaries import TILE_SIZES
+from mlacheck.boundaries import LONG_KV, TILE_SIZES
 from mlacheck.harness import RunOptions, run_case
 from mlacheck.spec import (
     DEEPSEEK_V3,
@@ -53,6 +56,14 @@ QUANTS: tuple[Quant, ...] = (
     Quant("fp8_e4m3fnuz", "fp8_e4m3fnuz", "unit"),
     Quant("bf16", "fp8_e4m3fn", "amax"),  # fp8 KV cache under bf16 queries
 )
+# Per-token FP8 scales (the per-token-scale boundary class). The spec takes them on unpaged
+# prefill only (paged pools, hence decode, sparse and paged prefill, take per-tensor KV
+# scales), so they are in prefill_cases' defaults only.
+PER_TOKEN_QUANTS: tuple[Quant, ...] = (
+    Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax", per_token=True),
+    Quant("fp8_e4m3fnuz", "fp8_e4m3fnuz", "amax", per_token=True),
+)
+PREFILL_QUANTS: tuple[Quant, ...] = QUANTS + PER_TOKEN_QUANTS
 
 # 16 first: the page size most paths are tested with; 1 and 1024 are the rare ends.
 PAGE_SIZES: tuple[int, ...] = (16, 1, 64, 1024)
@@ -85,6 +96,14 @@ DEFAULT_MAX_KV = 512  # decode kv_len
 DEFAULT_MAX_Q_LEN = 4  # MTP decode: q_len 1..4
 DEFAULT_SPARSE_EXTRA_KV = 64  # sparse kv_len reaches topk + this
 
+# Opt-in long decode kv (`decode_cases(long_kv=True)`): one past each boundaries.LONG_KV
+# length (clamps, 16-bit counters, narrow accumulation), drawn first. Seconds per example.
+LONG_KV_LENGTHS: tuple[int, ...] = tuple(n + 1 for n in LONG_KV)
+# Opt-in wide page ids (`wide_page_ids=True`): page size 1 and kv 3 * 2^15 + 1 first, whose
+# page ids put a third of the request past 2^16 and two thirds past 2^15 (the classes ask a
+# quarter, boundaries.WIDE_PAGE_SHARE: kv 65537 has only 9 pages past 2^16).
+WIDE_PAGE_KV = 3 * (1 << 15) + 1
+
 
 def _quants_for(profile: str, quants: Sequence[Quant]) -> list[Quant]:
     if profile == "stress":
@@ -110,27 +129,31 @@ def _boundary_lengths(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(sorted(n for n in near if lo <= n <= hi))
 
 
-def _length(lo: int, hi: int) -> st.SearchStrategy[int]:
-    """A length in [lo, hi]: half the draws a tile boundary (when one fits), half anywhere.
-    `anywhere` comes first so a failure that needs no boundary still shrinks to the shortest
-    length; one that needs a boundary keeps it."""
-    near = _boundary_lengths(lo, hi)
-    anywhere = st.integers(lo, hi)
-    return st.one_of(anywhere, st.sampled_from(near)) if near else anywhere
+def _length(lo: int, hi: int, long: Sequence[int] = ()) -> st.SearchStrategy[int]:
+    """A length in [lo, hi], or one of `long` (the opt-in long-kv lengths): the boundary
+    branches first (Hypothesis shrinks toward the first branch), then anywhere; each branch
+    is drawn equally often. The tile-boundary branch starts at `lo`, so a failure that
+    needs no boundary still shrinks to the shortest length (not to a long one), and one that
+    needs a boundary keeps the smallest that fails."""
+    near = st.sampled_from((lo, *_boundary_lengths(lo + 1, hi)))
+    return st.one_of(near, *([st.sampled_from(tuple(long))] if long else []),
+                     st.integers(lo, hi))
 
 
 def _q_len(lo: int, hi: int, allow_empty: bool) -> st.SearchStrategy[int]:
-    """lo..hi, or 0 (an empty request / segment) when allowed: drawn second, so a failing
-    case shrinks away from empties unless they are what fails."""
+    """0 (an empty request / segment: a boundary class) first when allowed, else lo..hi. A
+    failing case keeps an empty where it still fails with one; a batch of one never has
+    one (at least one query token), so single-request failures shrink as before."""
     some = st.integers(lo, hi)
-    return st.one_of(some, st.just(0)) if allow_empty else some
+    return st.one_of(st.just(0), some) if allow_empty else some
 
 
 @st.composite
 def _segments(draw: st.DrawFn, max_tokens: int, max_segments: int,
               allow_empty: bool = True) -> tuple[Segment, ...]:
     """1..max_segments segments whose q + context tokens sum to at most max_tokens; kv
-    lengths at tile boundaries first; empty segments (q_len 0) among them when allowed."""
+    lengths (q + context) at tile boundaries first; empty segments (q_len 0) first when
+    allowed."""
     n = draw(st.integers(1, min(max_segments, max_tokens)))
     budget = max_tokens
     out = []
@@ -138,7 +161,7 @@ def _segments(draw: st.DrawFn, max_tokens: int, max_segments: int,
         cap = budget - (n - i - 1)  # leave one token for each later segment
         empty_ok = allow_empty and (i < n - 1 or any(s.q_len for s in out))
         q_len = draw(_q_len(1, cap, empty_ok))
-        context = draw(_length(0, cap - q_len))
+        context = draw(_length(q_len, cap)) - q_len
         budget -= q_len + context
         out.append(Segment(q_len, context))
     return tuple(out)
@@ -184,12 +207,12 @@ def prefill_cases(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     max_segments: int = DEFAULT_MAX_SEGMENTS,
     head_counts: Sequence[int] = HEAD_COUNTS,
-    quants: Sequence[Quant] = QUANTS,
+    quants: Sequence[Quant] = PREFILL_QUANTS,
     profiles: Sequence[str] = PROFILES,
     soft_caps: Sequence[float] = SOFT_CAPS,
 ) -> st.SearchStrategy[PrefillCase]:
-    """Unpaged MHA-view prefill: multi-segment (empty segments too), chunked context at tile
-    boundaries first, causal on/off, soft cap."""
+    """Unpaged MHA-view prefill: multi-segment (empty segments first), chunked context at
+    tile boundaries first, causal on/off, soft cap, per-token FP8 scales."""
     return _prefill(paged=False, max_tokens=max_tokens, max_segments=max_segments,
                     head_counts=head_counts, quants=quants, profiles=profiles,
                     page_sizes=PAGE_SIZES, layouts=LAYOUTS, placements=PLACEMENTS,
@@ -214,15 +237,15 @@ def paged_prefill_cases(
 
 @st.composite
 def _requests(draw: st.DrawFn, max_batch: int, max_q_len: int, max_kv: int,
-              allow_empty: bool = True) -> tuple[Request, ...]:
-    """1..max_batch requests; kv lengths at tile boundaries first; empty requests (q_len 0)
-    among them when allowed (at least one request has a query token)."""
+              allow_empty: bool = True, long: Sequence[int] = ()) -> tuple[Request, ...]:
+    """1..max_batch requests; kv lengths at tile boundaries (and `long` lengths) first;
+    empty requests (q_len 0) first when allowed (at least one has a query token)."""
     n = draw(st.integers(1, max_batch))
     out = []
     for i in range(n):
         empty_ok = allow_empty and (i < n - 1 or any(r.q_len for r in out))
         q_len = draw(_q_len(1, min(max_q_len, max_kv), empty_ok))
-        out.append(Request(q_len, draw(_length(q_len, max_kv))))
+        out.append(Request(q_len, draw(_length(q_len, max_kv, long))))
     return tuple(out)
 
 
@@ -230,13 +253,13 @@ def _requests(draw: st.DrawFn, max_batch: int, max_q_len: int, max_kv: int,
 def _decode(
     draw: st.DrawFn, *, max_batch: int, max_q_len: int, max_kv: int,
     head_counts: Sequence[int], quants: Sequence[Quant], profiles: Sequence[str],
-    page_sizes: Sequence[int], placements: Sequence[Placement],
+    page_sizes: Sequence[int], placements: Sequence[Placement], long: Sequence[int] = (),
 ) -> DecodeCase:
     if max_batch < 1 or max_q_len < 1 or max_kv < 1:
         raise ValueError("max_batch, max_q_len and max_kv must be >= 1")
     quant, profile = draw(_quant_and_profile(quants, profiles))
     return DecodeCase(
-        requests=draw(_requests(max_batch, max_q_len, max_kv)),
+        requests=draw(_requests(max_batch, max_q_len, max_kv, long=long)),
         num_heads=draw(st.sampled_from(head_counts)),
         page_size=draw(st.sampled_from(page_sizes)),
         quant=quant,
@@ -254,11 +277,20 @@ def decode_cases(
     profiles: Sequence[str] = PROFILES,
     page_sizes: Sequence[int] = PAGE_SIZES,
     placements: Sequence[Placement] = PLACEMENTS,
+    long_kv: bool = False,
+    wide_page_ids: bool = False,
 ) -> st.SearchStrategy[DecodeCase]:
-    """Absorbed-MQA paged decode: ragged batches, MTP q_len up to max_q_len, every page size."""
+    """Absorbed-MQA paged decode: ragged batches, MTP q_len up to max_q_len, every page size.
+
+    long_kv: kv lengths past 8192 / 16384 / 65536 (LONG_KV_LENGTHS) drawn first;
+    wide_page_ids: page size 1 only, kv WIDE_PAGE_KV drawn first (page ids past 2^15, 2^16).
+    Both opt in: such an example costs seconds on a CPU (~100 MB pools at page size 1)."""
+    long = (*((WIDE_PAGE_KV,) if wide_page_ids else ()), *(LONG_KV_LENGTHS if long_kv else ()))
+    if wide_page_ids:  # ids past 2^16 at page size 16 would need a million tokens
+        page_sizes = (1,)
     return _decode(max_batch=max_batch, max_q_len=max_q_len, max_kv=max_kv,
                    head_counts=head_counts, quants=quants, profiles=profiles,
-                   page_sizes=page_sizes, placements=placements)
+                   page_sizes=page_sizes, placements=placements, long=long)
 
 
 @st.composite
@@ -272,9 +304,10 @@ def _sparse(
     quant, profile = draw(_quant_and_profile(quants, profiles))
     topk = draw(st.sampled_from(topks))
     n = draw(st.integers(1, max_batch))
-    requests = []
-    for _ in range(n):
-        q_len = draw(st.integers(1, max_q_len))
+    requests: list[Request] = []
+    for i in range(n):
+        empty_ok = i < n - 1 or any(r.q_len for r in requests)
+        q_len = draw(_q_len(1, max_q_len, empty_ok))
         # at the topk boundary first (at, just below, just above), else anywhere
         near = st.sampled_from((topk, topk - 1, topk + 1))
         kv_len = draw(st.one_of(near, st.integers(q_len, topk + extra_kv)))
@@ -303,7 +336,8 @@ def sparse_cases(
     page_sizes: Sequence[int] = PAGE_SIZES,
     placements: Sequence[Placement] = PLACEMENTS,
 ) -> st.SearchStrategy[SparseDecodeCase]:
-    """Sparse top-k decode with kv_len around topk (below, at, above) and valid_cap < topk."""
+    """Sparse top-k decode with kv_len around topk (below, at, above), valid_cap < topk and
+    empty requests (q_len 0) first."""
     return _sparse(max_batch=max_batch, max_q_len=max_q_len, topks=topks, extra_kv=extra_kv,
                    head_counts=head_counts, quants=quants, profiles=profiles,
                    page_sizes=page_sizes, placements=placements)
@@ -365,9 +399,13 @@ def find_failing_case(
 __all__ = [
     "HEAD_COUNTS",
     "LARGE_KV_PLACEMENTS",
+    "LONG_KV_LENGTHS",
     "PAGE_SIZES",
+    "PER_TOKEN_QUANTS",
     "PLACEMENTS",
+    "PREFILL_QUANTS",
     "QUANTS",
+    "WIDE_PAGE_KV",
     "cases",
     "decode_cases",
     "find_failing_case",

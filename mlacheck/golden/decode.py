@@ -20,19 +20,21 @@ from mlacheck.golden.core import (
 from mlacheck.inputs import DecodeInputs
 
 
-def kv_tensors(inputs: DecodeInputs, variant: str) -> list[torch.Tensor]:
-    """Per request latent KV [kv_len, 1, 576] in fp32.
-
-    exact: gathered from the paged pool through the page table and dequantised, i.e. what
-    the kernel reads; ideal: the unquantised originals.
-    """
+def _query_operand(inputs: DecodeInputs, variant: str) -> Operand:
+    """exact: q as stored with its scale (dequantised in the reference's own dtype, so fp64
+    is exact); ideal: the unquantised original."""
     if variant == "ideal":
-        return [kv.ideal for kv in inputs.kv]
-    return [inputs.pool.gather(r) for r in range(len(inputs.case.requests))]
+        return Operand(inputs.q.ideal)
+    return Operand(inputs.q.stored, per_tensor(inputs.q.scale))
 
 
-def _queries(inputs: DecodeInputs, variant: str) -> torch.Tensor:
-    return inputs.q.ideal if variant == "ideal" else inputs.q.dequant()
+def _kv_operand(inputs: DecodeInputs, variant: str, r: int) -> Operand:
+    """Request r's latent KV [kv_len, 1, 576]. exact: gathered from the paged pool through
+    the page table as stored (what the kernel reads), with the pool's scale; ideal: the
+    unquantised original."""
+    if variant == "ideal":
+        return Operand(inputs.kv[r].ideal)
+    return Operand(inputs.pool.gather(r, dequant=False), per_tensor(inputs.pool.scale))
 
 
 def reference(inputs: DecodeInputs, variant: str = "exact", dtype: torch.dtype = torch.float32) -> Result:
@@ -43,15 +45,11 @@ def reference(inputs: DecodeInputs, variant: str = "exact", dtype: torch.dtype =
     """
     case = inputs.case
     rank = case.dims.kv_lora_rank
-    q = (Operand(inputs.q.ideal) if variant == "ideal"
-         else Operand(inputs.q.stored, per_tensor(inputs.q.scale)))
+    q = _query_operand(inputs, variant)
     qo = inputs.qo_indptr.tolist()
-    kv_scale = per_tensor(inputs.pool.scale)
 
     def request(r: int) -> Request:
-        kv = (Operand(inputs.kv[r].ideal) if variant == "ideal"
-              else Operand(inputs.pool.gather(r, dequant=False), kv_scale))
-        return q.view(lambda x: x[qo[r] : qo[r + 1]]), kv, rank
+        return q.view(lambda x: x[qo[r] : qo[r + 1]]), _kv_operand(inputs, variant, r), rank
 
     return concat(attend_each([functools.partial(request, r) for r in range(len(case.requests))],
                               case.softmax_scale, causal=True, dtype=dtype))
@@ -68,8 +66,8 @@ def sparse_reference(
     case = inputs.case
     assert inputs.topk_indices is not None
     rank = case.dims.kv_lora_rank
-    q = _queries(inputs, variant).to(dtype)
-    kvs = [kv.to(dtype) for kv in kv_tensors(inputs, variant)]
+    q = _query_operand(inputs, variant).get(dtype)
+    kvs = [_kv_operand(inputs, variant, r).get(dtype) for r in range(len(case.requests))]
     idx = inputs.topk_indices.long()
     t_total, h, _ = q.shape
     topk = idx.shape[1]

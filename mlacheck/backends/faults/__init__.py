@@ -31,6 +31,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from mlacheck.bugclasses import BUG_CLASSES
+
 PREFIX = "fault:"
 
 
@@ -48,6 +50,15 @@ class FaultSpec:
     stateful: bool = False  # only a sequence of calls on one instance shows it
     determinism: bool = False  # only a repeated run (RunOptions(repeat=2)) shows it
     contrast: str = ""  # where the same fault must PASS: proof it is the mechanism
+
+    def __post_init__(self) -> None:
+        # A number names a class of mlacheck/bugclasses.py. (A boundary class name is checked
+        # by tests/unit/faults/test_faults.py: mlacheck.boundaries imports torch, this
+        # catalogue must not.)
+        if isinstance(self.bug_class, bool) or (
+                isinstance(self.bug_class, int) and self.bug_class not in BUG_CLASSES):
+            raise ValueError(f"fault {self.name}: bug class {self.bug_class!r} is not one of "
+                             f"mlacheck/bugclasses.py ({min(BUG_CLASSES)}..{max(BUG_CLASSES)})")
 
     @property
     def backend_name(self) -> str:
@@ -190,12 +201,42 @@ _SPECS = (
               f"{_M}.boundary:tile_multiple_drops_last", "torch", DECODE + PREFILL,
               ("decode-tile-boundary",), ("row_error",), "decode_tile_boundary",
               contrast="passes when no kv length is a multiple of 256"),
+    FaultSpec("tile-multiple-drops-last-64", "kv-multiple-of-64",
+              "the same loop bound with 64-key tiles: a kv length that is an exact multiple "
+              "of 64 never visits its last 64-key tile",
+              f"{_M}.boundary:tile_multiple_drops_last_64", "torch", DECODE + PREFILL,
+              ("decode-tile-boundary",), ("row_error", "lse"), "decode_tile_boundary",
+              contrast="passes when no kv length is a multiple of 64"),
+    FaultSpec("tile-multiple-drops-last-128", "kv-multiple-of-128",
+              "the same loop bound with 128-key tiles: a kv length that is an exact multiple "
+              "of 128 never visits its last 128-key tile",
+              f"{_M}.boundary:tile_multiple_drops_last_128", "torch", DECODE + PREFILL,
+              ("decode-tile-boundary",), ("row_error", "lse"), "decode_tile_boundary",
+              contrast="passes when no kv length is a multiple of 128"),
+    FaultSpec("tile-ceil-off-by-one", "kv-tile-off-by-one",
+              "first 256-key tile peeled, the rest counted (kv_len - 2) // 256: a kv longer "
+              "than 256 with one key in its last tile (kv_len % 256 == 1) drops that key",
+              f"{_M}.boundary:tile_ceil_off_by_one", "torch", DECODE + PREFILL,
+              ("decode-tile-boundary",), ("row_error", "lse"), "decode_tile_off_by_one",
+              contrast="passes at multiples of 256 and one below them"),
+    FaultSpec("kv-clamp-8k", "kv-longer-than-8192",
+              "kv_len clamped to 8192 (a 13-bit length, a buffer sized for 8k): longer "
+              "requests attend to their first 8192 keys",
+              f"{_M}.boundary:kv_clamp_8k", "torch", DECODE,
+              ("decode-long-kv",), ("row_error",), "decode_long_kv",
+              contrast="passes up to 8192 tokens"),
     FaultSpec("kv-clamp-16k", "kv-longer-than-16384",
               "kv_len clamped to 16384 (a 14-bit length, a buffer sized for 16k): longer "
               "requests attend to their first 16384 keys",
               f"{_M}.boundary:kv_clamp_16k", "torch", DECODE,
               ("decode-long-kv",), ("row_error",), "decode_long_kv",
               contrast="passes up to 16384 tokens"),
+    FaultSpec("kv-clamp-64k", "kv-longer-than-65536",
+              "kv_len clamped to 65536 (a 16-bit length, a buffer sized for 64k): longer "
+              "requests attend to their first 65536 keys",
+              f"{_M}.boundary:kv_clamp_64k", "torch", DECODE,
+              ("decode-long-kv",), ("row_error",), "decode_long_kv",
+              contrast="passes up to 65536 tokens"),
     FaultSpec("page-id-int16", "page-id-past-2^15",
               "page ids held in int16: ids >= 2^15 turn negative and read memory before the "
               "pool",
@@ -209,14 +250,16 @@ _SPECS = (
               contrast="passes while every page id is below 2^16"),
     FaultSpec("empty-request-shift", "empty-request",
               "empty decode requests dropped from qo_indptr but not from the page table: "
-              "requests after one read their predecessor's pages",
-              f"{_M}.boundary:empty_request_shift", "torch", DECODE,
-              ("decode-empty",), ("row_error", "quantisation_loss"), "decode_empty",
+              "requests after one read their predecessor's pages (sparse: resolve their "
+              "top-k positions through its page-table row)",
+              f"{_M}.boundary:empty_request_shift", "torch", DECODE + SPARSE,
+              ("decode-empty", "sparse-empty"), ("row_error", "quantisation_loss", "nonfinite"),
+              "decode_empty",
               contrast="passes when empty requests come last"),
     FaultSpec("empty-segment-shift", "empty-segment",
-              "empty prefill segments dropped from cu_seqlens_q but not from cu_seqlens_k: "
-              "later segments attend to another segment's K/V",
-              f"{_M}.boundary:empty_segment_shift", "torch", PREFILL,
+              "empty prefill segments dropped from cu_seqlens_q but not from cu_seqlens_k "
+              "(or the paged K/V page table): later segments attend to another segment's K/V",
+              f"{_M}.boundary:empty_segment_shift", "torch", PREFILL + ("paged_prefill",),
               ("prefill-empty",), ("row_error", "quantisation_loss"), "prefill_empty",
               contrast="passes when empty segments come last"),
     FaultSpec("single-token-no-context", "single-token-segment",
@@ -264,6 +307,8 @@ AXES: dict[str, str] = {
     "perturb-row": "heads", "default-softmax-scale": "all", "lse-base2": "lse",
     "causal-top-left": "segments", "last-page-off-by-one": "kv", "write-past-output": "output",
     "nondeterministic": "runs", "tile-multiple-drops-last": "kv", "kv-clamp-16k": "kv",
+    "tile-multiple-drops-last-64": "kv", "tile-multiple-drops-last-128": "kv",
+    "tile-ceil-off-by-one": "kv", "kv-clamp-8k": "kv", "kv-clamp-64k": "kv",
     "page-id-int16": "requests", "page-id-uint16": "requests",
     "empty-request-shift": "requests", "empty-segment-shift": "segments",
     "single-token-no-context": "segments", "soft-cap-ignored": "rows",

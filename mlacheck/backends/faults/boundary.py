@@ -4,18 +4,26 @@ Each is the correct torch backend with one planted mechanism that a matrix witho
 cannot see, so `mlacheck selftest` and tests/unit/faults show that premerge (on a CPU) has
 the shape:
 
-tile-multiple-drops-last (kv-multiple-of-256): a tile loop bound `<` instead of `<=` on an
-    exact multiple: when kv_len % 256 == 0 the last 256-key tile is never visited.
-kv-clamp-16k (kv-longer-than-16384): kv_len clamped to 16384 (a 14-bit length field, a
-    buffer sized for 16k): longer requests attend to their first 16384 keys only.
+tile-multiple-drops-last[-64, -128] (kv-multiple-of-256 [-64, -128]): a tile loop bound
+    `<` instead of `<=` on an exact multiple: when kv_len % T == 0 the last T-key tile is
+    never visited (T = 256, 64, 128).
+tile-ceil-off-by-one (kv-tile-off-by-one): the first T-key tile peeled, the remaining tile
+    count rounded up with T - 2 instead of T - 1 (T = 256): when a kv longer than T has
+    kv_len % T == 1 the one-key last tile is never visited.
+kv-clamp-8k / -16k / -64k (kv-longer-than-8192 / -16384 / -65536): kv_len clamped to 8192,
+    16384 or 65536 (a 13/14/16-bit length field, a buffer sized for it): longer requests
+    attend to their first 8192 / 16384 / 65536 keys only.
 page-id-int16 (page-id-past-2^15): page ids stored as int16: ids >= 2^15 turn negative and
     the kernel reads memory before the pool (poison here).
 page-id-uint16 (page-id-past-2^16): page ids stored as uint16: ids >= 2^16 wrap and read
     another (live or free) page.
 empty-request-shift (empty-request): empty decode requests dropped from qo_indptr but not
-    from the page table: every request after an empty one reads its predecessor's pages.
+    from the page table: every request after an empty one reads its predecessor's pages
+    (sparse decode: its tokens resolve their top-k positions through the predecessor's
+    page-table row; positions past that row's pages read memory it does not own, poison).
 empty-segment-shift (empty-segment): the same for prefill: cu_seqlens_q compacted,
-    cu_seqlens_k not: segments after an empty one attend to another segment's K/V.
+    cu_seqlens_k (or the paged K/V page table) not: segments after an empty one attend to
+    another segment's K/V.
 single-token-no-context (single-token-segment): a one-token segment inside a prefill batch
     takes a decode-like fast path that forgets its context: it attends to itself only.
 soft-cap-ignored (soft-cap): the soft cap is not applied.
@@ -40,11 +48,11 @@ from mlacheck.backends.numerics import Numerics, flash_attend
 from mlacheck.backends.torch_ref import TorchBackend
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs, Quantised, cu_seqlens
 from mlacheck.kvcache import KVPool, PageTable
-from mlacheck.spec import Case, DecodeCase, PrefillCase
+from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
 
 DECODE, PREFILL = ("mla_decode",), ("mla_prefill",)
-TILE = 256  # the tile whose exact multiples lose their last tile
-KV_CLAMP = 16384
+SPARSE, PAGED = ("mla_sparse_decode",), ("paged_prefill",)
+TILE = 256  # the default tile of the tile faults (boundaries.TILE_SIZES has the others)
 
 
 def truncated_table(table: PageTable, keep: list[int]) -> PageTable:
@@ -93,15 +101,38 @@ class _KvShortened(Wrapper):
 
 
 class TileMultipleDropsLast(_KvShortened):
+    def __init__(self, inner: Any, name: str, tile: int = TILE) -> None:
+        super().__init__(inner, name)
+        self.tile = tile
+
     def keep(self, kv_len: int) -> int:
-        return kv_len - TILE if kv_len > 0 and kv_len % TILE == 0 else kv_len
+        return kv_len - self.tile if kv_len > 0 and kv_len % self.tile == 0 else kv_len
+
+
+class TileCeilOffByOne(_KvShortened):
+    """The first tile peeled (it initialises the running max and sum), the rest counted as
+    ceil((kv_len - T) / T) written (kv_len - T + T - 2) // T: one tile short exactly when a
+    kv longer than T leaves one key in its last tile (kv_len % T == 1)."""
+
+    def __init__(self, inner: Any, name: str, tile: int = TILE) -> None:
+        super().__init__(inner, name)
+        self.tile = tile
+
+    def keep(self, kv_len: int) -> int:
+        if kv_len <= self.tile:
+            return kv_len
+        return min(kv_len, self.tile + (kv_len - 2) // self.tile * self.tile)
 
 
 class KvClamp(_KvShortened):
     ops = DECODE
 
+    def __init__(self, inner: Any, name: str, limit: int) -> None:
+        super().__init__(inner, name)
+        self.limit = limit
+
     def keep(self, kv_len: int) -> int:
-        return min(kv_len, KV_CLAMP)
+        return min(kv_len, self.limit)
 
 
 class PageIdNarrow(Wrapper):
@@ -120,28 +151,37 @@ class PageIdNarrow(Wrapper):
         ids = pool.table.indices % span
         if self.signed:
             ids = torch.where(ids >= span // 2, ids - span, ids)
-        outside = (ids < 0) | (ids >= pool.num_pages)
-        bits_dtype, nan_code = fp8.nan_fill_value(pool.fmt)  # fp8 has no index kernels: bits
-        data = torch.empty((ids.numel(), *pool.data.shape[1:]), dtype=pool.data.dtype,
-                           device=pool.data.device)
-        raw, src = data.view(bits_dtype), pool.data.view(bits_dtype)
-        dev = pool.data.device
-        inside = torch.nonzero(~outside).flatten()
-        raw[inside.to(dev)] = src[ids[inside].to(dev)]
-        # memory that is not the pool's: poisoned, as mlacheck poisons all a kernel does not own
-        raw[torch.nonzero(outside).flatten().to(dev)] = nan_code
-        table = PageTable(pool.table.page_size, pool.table.indptr, torch.arange(ids.numel()),
-                          pool.table.kv_lens)
-        read = KVPool(data, pool.fmt, pool.scale, table, pool.layout, pool.kind)
+        read = _read_through(pool, ids, pool.table.indptr, pool.table.kv_lens)
         return self.inner.run(case, replace_inputs(inputs, pool=read))
+
+
+def _read_through(pool: KVPool, ids: torch.Tensor, indptr: torch.Tensor,
+                  kv_lens: torch.Tensor) -> KVPool:
+    """The pages a kernel reads through page ids `ids` (CSR by `indptr`), copied into a pool
+    of their own; an id outside the pool (< 0 or past its end) reads poison, as mlacheck
+    poisons all memory a kernel does not own."""
+    outside = (ids < 0) | (ids >= pool.num_pages)
+    bits_dtype, nan_code = fp8.nan_fill_value(pool.fmt)  # fp8 has no index kernels: bits
+    data = torch.empty((ids.numel(), *pool.data.shape[1:]), dtype=pool.data.dtype,
+                       device=pool.data.device)
+    raw, src = data.view(bits_dtype), pool.data.view(bits_dtype)
+    dev = pool.data.device
+    inside = torch.nonzero(~outside).flatten()
+    raw[inside.to(dev)] = src[ids[inside].to(dev)]
+    raw[torch.nonzero(outside).flatten().to(dev)] = nan_code
+    table = PageTable(pool.table.page_size, indptr, torch.arange(ids.numel()), kv_lens)
+    return dataclasses.replace(pool, data=data, table=table)
 
 
 class EmptyShift(Wrapper):
     """Empty requests / segments dropped from the query offsets only."""
 
-    ops = DECODE + PREFILL
+    ops = DECODE + SPARSE + PREFILL + PAGED
 
     def run(self, case: Case, inputs: Inputs) -> Output:
+        if isinstance(case, SparseDecodeCase):
+            assert isinstance(inputs, DecodeInputs)
+            return self._sparse(case, inputs)
         if isinstance(case, DecodeCase):
             assert isinstance(inputs, DecodeInputs)
             kept = tuple(r for r in case.requests if r.q_len)
@@ -154,6 +194,25 @@ class EmptyShift(Wrapper):
         compact = dataclasses.replace(case, segments=kept_segs)
         view = replace_inputs(inputs, case=compact,
                               cu_seqlens_q=cu_seqlens([s.q_len for s in kept_segs]))
+        return self.inner.run(compact, view)
+
+    def _sparse(self, case: SparseDecodeCase, inputs: DecodeInputs) -> Output:
+        """Kept request j's tokens resolve their positions through page-table row j (the
+        request j of the full batch): its pages, then poison for the pages row j lacks."""
+        kept = tuple(r for r in case.requests if r.q_len)
+        table, ps = inputs.table, inputs.table.page_size
+        rows = []
+        for j, req in enumerate(kept):
+            pages = table.pages_of(j)[: -(-req.kv_len // ps)]
+            missing = -(-req.kv_len // ps) - pages.numel()
+            rows.append(torch.cat([pages, torch.full((missing,), -1, dtype=pages.dtype)]))
+        counts = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
+        indptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
+        pool = _read_through(inputs.pool, torch.cat(rows), indptr,
+                             torch.tensor([r.kv_len for r in kept], dtype=torch.int64))
+        compact = dataclasses.replace(case, requests=kept)
+        view = replace_inputs(inputs, case=compact, pool=pool,
+                              qo_indptr=cu_seqlens([r.q_len for r in kept]))
         return self.inner.run(compact, view)
 
 
@@ -203,8 +262,28 @@ def tile_multiple_drops_last(inner: str = "torch") -> TileMultipleDropsLast:
     return TileMultipleDropsLast(resolve_inner(inner), "fault:tile-multiple-drops-last")
 
 
+def tile_multiple_drops_last_64(inner: str = "torch") -> TileMultipleDropsLast:
+    return TileMultipleDropsLast(resolve_inner(inner), "fault:tile-multiple-drops-last-64", 64)
+
+
+def tile_multiple_drops_last_128(inner: str = "torch") -> TileMultipleDropsLast:
+    return TileMultipleDropsLast(resolve_inner(inner), "fault:tile-multiple-drops-last-128", 128)
+
+
+def tile_ceil_off_by_one(inner: str = "torch") -> TileCeilOffByOne:
+    return TileCeilOffByOne(resolve_inner(inner), "fault:tile-ceil-off-by-one")
+
+
+def kv_clamp_8k(inner: str = "torch") -> KvClamp:
+    return KvClamp(resolve_inner(inner), "fault:kv-clamp-8k", 8192)
+
+
 def kv_clamp_16k(inner: str = "torch") -> KvClamp:
-    return KvClamp(resolve_inner(inner), "fault:kv-clamp-16k")
+    return KvClamp(resolve_inner(inner), "fault:kv-clamp-16k", 16384)
+
+
+def kv_clamp_64k(inner: str = "torch") -> KvClamp:
+    return KvClamp(resolve_inner(inner), "fault:kv-clamp-64k", 65536)
 
 
 def page_id_int16(inner: str = "torch") -> PageIdNarrow:
@@ -216,11 +295,11 @@ def page_id_uint16(inner: str = "torch") -> PageIdNarrow:
 
 
 def empty_request_shift(inner: str = "torch") -> EmptyShift:
-    return EmptyShift(resolve_inner(inner), "fault:empty-request-shift", DECODE)
+    return EmptyShift(resolve_inner(inner), "fault:empty-request-shift", DECODE + SPARSE)
 
 
 def empty_segment_shift(inner: str = "torch") -> EmptyShift:
-    return EmptyShift(resolve_inner(inner), "fault:empty-segment-shift", PREFILL)
+    return EmptyShift(resolve_inner(inner), "fault:empty-segment-shift", PREFILL + PAGED)
 
 
 def single_token_no_context(inner: str = "torch") -> SingleTokenNoContext:

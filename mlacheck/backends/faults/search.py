@@ -110,6 +110,21 @@ def decode_tile_boundary() -> st.SearchStrategy[Case]:
 
 
 @st.composite
+def _tile_off_by_one(draw: st.DrawFn) -> Case:
+    """q_len-1 decode whose kv lengths sit one either side of a tile of 256+ first (the
+    kv-tile-off-by-one shape, rare among decode_tile_boundary's draws), else anywhere."""
+    near = st.sampled_from(tuple(n for m in TILE_SIZES if 256 <= m <= 1024
+                                 for n in (m + 1, m - 1)))
+    n = draw(st.integers(1, 2))
+    lens = [draw(st.one_of(near, st.integers(1, 1100))) for _ in range(n)]
+    return DecodeCase(requests=tuple(Request(1, k) for k in lens), num_heads=16, page_size=16)
+
+
+def decode_tile_off_by_one() -> st.SearchStrategy[Case]:
+    return _tile_off_by_one()
+
+
+@st.composite
 def _long_kv(draw: st.DrawFn) -> Case:
     """One long request on a page-size-1 pool: past 16k tokens with a third of its page ids
     past 2^16 first (the search budget for these is a few runs), then shorter ones."""

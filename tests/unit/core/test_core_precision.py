@@ -168,3 +168,46 @@ def test_fp64_golden_dequantises_fp8_exactly() -> None:
     got = Operand(kv, float(b.pool.scale)).get(torch.float64)
     assert torch.equal(got, exact)
     assert not torch.equal((kv.float() * b.pool.scale).double(), exact)  # in fp32 it rounds
+
+
+def _sparse_fp64(b: inputs.DecodeInputs, topk: torch.Tensor, dequant_in_fp32: bool) -> core.Result:
+    """Sparse decode from first principles: stored q / kv times their scales (in fp64, or in
+    fp32 first as the audit found), one token at a time over its valid top-k positions."""
+    def deq(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (stored.float() * scale).double() if dequant_in_fp32 else stored.double() * scale.double()
+
+    case = b.case
+    q = deq(b.q.stored, b.q.scale)
+    kvs = [deq(b.pool.gather(r, dequant=False), b.pool.scale)[:, 0] for r in range(len(case.requests))]
+    owner = [r for r, req in enumerate(case.requests) for _ in range(req.q_len)]
+    rank = case.dims.kv_lora_rank
+    outs, lses = [], []
+    for t, idx in enumerate(topk.long()):
+        kv = kvs[owner[t]][idx[idx >= 0]]
+        s = q[t] @ kv.T * case.softmax_scale
+        outs.append(torch.softmax(s, -1) @ kv[:, :rank])
+        lses.append(torch.logsumexp(s, -1))
+    return core.Result(torch.stack(outs), torch.stack(lses))
+
+
+@pytest.mark.parametrize("op", ["decode", "sparse"])
+def test_fp64_golden_reference_matches_fp64_dequantisation(op: str) -> None:
+    """The whole fp64 reference (dense and sparse decode) sees q and kv dequantised in fp64:
+    it matches a first-principles fp64 computation to fp64 roundoff (1e-12), while the same
+    computation on fp32-dequantised inputs is ~1e-7 away (the gap the audit found)."""
+    quant = Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax")
+    reqs = (Request(2, 300), Request(1, 90))
+    case = (SparseDecodeCase(requests=reqs, topk=128, num_heads=4, page_size=16, quant=quant)
+            if op == "sparse" else DecodeCase(requests=reqs, num_heads=4, page_size=16, quant=quant))
+    b = inputs.build(case)
+    if b.topk_indices is not None:
+        topk = b.topk_indices
+    else:  # dense decode: every position up to the causal limit, as a full sparse row
+        visible = [torch.arange(r.kv_len - r.q_len + i + 1) for r in reqs for i in range(r.q_len)]
+        topk = torch.nn.utils.rnn.pad_sequence(visible, batch_first=True, padding_value=-1)
+    ideal, rounded = _sparse_fp64(b, topk, False), _sparse_fp64(b, topk, True)
+    ref = golden.reference(b, precision="fp64")
+    assert ref.out.dtype == torch.float64
+    torch.testing.assert_close(ref.out, ideal.out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ref.lse, ideal.lse, rtol=0, atol=1e-12)
+    assert (rounded.out - ideal.out).abs().max() > 1e-9  # the test can tell the two apart

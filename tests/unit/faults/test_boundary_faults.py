@@ -10,7 +10,17 @@ from mlacheck import boundaries
 from mlacheck.backends.faults import FAULTS, make
 from mlacheck.harness import run_case
 from mlacheck.matrices import load
-from mlacheck.spec import Case, DecodeCase, Placement, PrefillCase, Quant, Request, Segment
+from mlacheck.spec import (
+    Case,
+    DecodeCase,
+    Paging,
+    Placement,
+    PrefillCase,
+    Quant,
+    Request,
+    Segment,
+    SparseDecodeCase,
+)
 from mlacheck.verdict import FAIL, PASS
 
 PER_TOKEN = Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax", per_token=True)
@@ -24,11 +34,24 @@ def pf(*segs: tuple[int, int], **kw: object) -> PrefillCase:
     return PrefillCase(segments=tuple(Segment(*s) for s in segs), **{"num_heads": 16, **kw})
 
 
+def sp(*reqs: tuple[int, int], **kw: object) -> SparseDecodeCase:
+    return SparseDecodeCase(requests=tuple(Request(*r) for r in reqs),
+                            **{"num_heads": 16, "topk": 64, "page_size": 16, **kw})
+
+
 # fault -> (a case with the shape, the contrast: the nearest case the mechanism cannot touch;
 # for the empty-request faults that is empties placed last, where nothing shifts)
 SHAPES: dict[str, tuple[Case, Case]] = {
     "tile-multiple-drops-last": (dec((1, 512), (1, 300)), dec((1, 513), (1, 300))),
+    # 192 = 3 x 64 and 384 = 3 x 128; the contrasts 193 and 320 (= 5 x 64, not x 128)
+    "tile-multiple-drops-last-64": (dec((1, 192), (1, 300)), dec((1, 193), (1, 300))),
+    "tile-multiple-drops-last-128": (dec((1, 384), (1, 300)), dec((1, 320), (1, 300))),
+    # one past 512; the contrast: at and one below a multiple, and kv 1 (no tile after the
+    # peeled first one)
+    "tile-ceil-off-by-one": (dec((1, 513), (1, 300)), dec((1, 512), (1, 511), (1, 1))),
+    "kv-clamp-8k": (dec((1, 8193)), dec((1, 8192))),
     "kv-clamp-16k": (dec((1, 16500)), dec((1, 16384))),
+    "kv-clamp-64k": (dec((1, 70000)), dec((1, 65536))),
     "page-id-int16": (dec((1, 50000), page_size=1, placement=Placement("packed")),
                       dec((1, 30000), page_size=1, placement=Placement("packed"))),
     "page-id-uint16": (dec((1, 98305), page_size=1), dec((1, 60000), page_size=1)),
@@ -40,28 +63,41 @@ SHAPES: dict[str, tuple[Case, Case]] = {
                                 pf((30, 20), quant=Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax"))),
     "narrow-accumulation": (dec((1, 4096)), dec((1, 1024))),
 }
+# The same faults on their class's other ops: sparse requests after an empty one resolve
+# their top-k positions through the predecessor's page-table row (poison past its pages);
+# paged prefill segments after an empty one read the predecessor's pages.
+OTHER_OPS: dict[str, tuple[Case, Case]] = {
+    "empty-request-shift/sparse": (sp((0, 40), (1, 60), (2, 90)), sp((1, 60), (2, 90), (0, 30))),
+    "empty-segment-shift/paged": (pf((0, 20), (10, 30), (5, 0), paging=Paging(16)),
+                                  pf((10, 30), (5, 0), (0, 9), paging=Paging(16))),
+}
+ALL = {**SHAPES, **OTHER_OPS}
 
 
-@pytest.mark.parametrize("name", sorted(SHAPES))
-def test_fault_fails_on_its_shape_and_passes_on_the_contrast(name: str) -> None:
-    shaped, contrast = SHAPES[name]
+@pytest.mark.parametrize("key", sorted(ALL))
+def test_fault_fails_on_its_shape_and_passes_on_the_contrast(key: str) -> None:
+    shaped, contrast = ALL[key]
+    name = key.split("/")[0]
     spec = FAULTS[name]
     cls = boundaries.BY_NAME[str(spec.bug_class)]
-    assert cls.applies(shaped)
+    assert cls.applies(shaped) and shaped.op in spec.ops and shaped.op in cls.ops
     v = run_case(shaped, make(name))
     assert v.status == FAIL and set(spec.expect) & {c.name for c in v.failed_checks}, v.summary()
     assert run_case(contrast, make(name)).status == PASS
 
 
 def test_every_boundary_fault_is_caught_by_cpu_premerge() -> None:
-    """Each new fault fails on at least one premerge case a CPU gate runs (not large_kv)."""
+    """Each new fault fails on at least one premerge case a CPU gate runs (not large_kv), on
+    every op of its class that it acts on (empty requests: decode and sparse; empty
+    segments: prefill and paged prefill)."""
     cases = [mc.case for mc in load("premerge").cases if "large_kv" not in mc.markers]
     for name in SHAPES:
         spec = FAULTS[name]
         cls = boundaries.BY_NAME[str(spec.bug_class)]
         fault = make(name)
-        shaped = [c for c in cases if c.op in spec.ops and cls.applies(c)]
-        assert shaped, name
-        # the cheapest shaped cases first: one failure is enough
-        shaped.sort(key=lambda c: sum(boundaries.kv_lengths(c)) * c.num_heads)
-        assert any(run_case(c, fault).status == FAIL for c in shaped[:4]), name
+        for op in sorted(set(spec.ops) & set(cls.ops)):
+            shaped = [c for c in cases if c.op == op and cls.applies(c)]
+            assert shaped, (name, op)
+            # the cheapest shaped cases first: one failure is enough
+            shaped.sort(key=lambda c: sum(boundaries.kv_lengths(c)) * c.num_heads)
+            assert any(run_case(c, fault).status == FAIL for c in shaped[:4]), (name, op)

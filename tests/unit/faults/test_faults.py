@@ -333,3 +333,19 @@ def test_registry_names_every_fault_lazily() -> None:
         backend = resolve(f"fault:{name}")
         assert backend.name == f"fault:{name}"
         assert set(backend.capabilities()) == set(spec.ops), name
+
+
+def test_every_fault_names_a_known_class_and_every_bug_class_has_a_fault() -> None:
+    from mlacheck import boundaries
+    from mlacheck.backends.faults import FaultSpec
+    from mlacheck.bugclasses import BUG_CLASSES
+
+    for spec in FAULTS.values():
+        c = spec.bug_class
+        assert c in BUG_CLASSES or c == "generic" or c in boundaries.BY_NAME, (spec.name, c)
+    assert {s.bug_class for s in FAULTS.values() if isinstance(s.bug_class, int)} == set(BUG_CLASSES)
+    some = next(iter(FAULTS.values()))
+    for bad in (13, 0, True):
+        with pytest.raises(ValueError, match=f"bug class {bad!r} is not one of"):
+            dataclasses.replace(some, bug_class=bad)
+    assert isinstance(dataclasses.replace(some, bug_class=min(BUG_CLASSES)), FaultSpec)

@@ -84,6 +84,7 @@ def test_sparse_cases_valid(case: SparseDecodeCase) -> None:
             "fnuz": lambda c: c.quant.q == "fp8_e4m3fnuz",
             "12 heads": lambda c: c.num_heads == 12,
             "128 heads": lambda c: c.num_heads == 128,
+            "per-token fp8": lambda c: c.quant.per_token and c.quant.is_fp8,
         }),
         (S.paged_prefill_cases(), {
             "page 1": lambda c: c.paging.page_size == 1,
@@ -105,6 +106,7 @@ def test_sparse_cases_valid(case: SparseDecodeCase) -> None:
             "above topk": lambda c: any(r.kv_len > c.topk for r in c.requests),
             "valid cap": lambda c: c.valid_cap is not None,
             "mtp": lambda c: c.max_q_len > 1,
+            "empty request": lambda c: c.has_empty,
         }),
     ],
     ids=["prefill", "paged", "decode", "sparse"],
@@ -211,9 +213,9 @@ def test_finds_and_shrinks_a_dropped_kv_token_to_the_threshold() -> None:
     assert found is not None
     case, verdict = found
     assert verdict.status == "FAIL" and "lse" in verdict.reason
-    # the shortest failing length of either draw: the threshold itself, or the first tile
-    # boundary past it (boundaries are drawn half the time and kept when they fail)
-    assert case.requests in ((Request(1, DROPS_LAST_KV_ABOVE + 1),), (Request(1, 63),))
+    # the boundary branch is drawn first, so the failure keeps the first tile boundary past
+    # the threshold (63 = 64 - 1) rather than the threshold itself (34)
+    assert case.requests == (Request(1, 63),)
     assert case == DecodeCase(requests=case.requests)
 
 
@@ -224,24 +226,48 @@ def test_search_is_deterministic() -> None:
     assert first[0] == second[0] and first[1].metrics == second[1].metrics
 
 
-def test_strategies_reach_every_cpu_boundary_class_of_their_range() -> None:
-    """The boundary classes (mlacheck/boundaries.py) are drawn first: within the default
-    bounds (kv <= 512, 128 prefill tokens) every class those bounds allow shows up early."""
-    from collections import Counter
-
-    from hypothesis import settings as hsettings
-
+def _classes_drawn(strategy: st.SearchStrategy[Case], examples: int) -> set[tuple[str, str]]:
+    """(boundary class, op) pairs of the cases `strategy` draws (cases only: nothing runs)."""
     from mlacheck.boundaries import classes_of
 
-    seen: Counter[str] = Counter()
+    seen: set[tuple[str, str]] = set()
 
-    @hsettings(max_examples=300, derandomize=True, database=None, deadline=None)
-    @given(S.cases())
-    def draw(case) -> None:  # noqa: ANN001
-        seen.update(classes_of(case))
+    @settings(max_examples=examples, derandomize=True, database=None, deadline=None)
+    @given(strategy)
+    def draw(case: Case) -> None:
+        seen.update((name, case.op) for name in classes_of(case))
 
     draw()
-    reachable = {"partial-last-page", "empty-request", "empty-segment", "soft-cap",
-                 "single-token-segment", "kv-multiple-of-64", "kv-multiple-of-128",
-                 "kv-multiple-of-256", "kv-multiple-of-512", "kv-tile-off-by-one"}
-    assert reachable <= set(seen), reachable - set(seen)
+    return seen
+
+
+def test_strategies_reach_every_cpu_boundary_class_of_their_range() -> None:
+    """The boundary classes (mlacheck/boundaries.py) are drawn first: within the default
+    bounds (decode kv <= 512, 128 prefill tokens) every (class, op) those bounds allow shows
+    up, empty sparse requests and per-token scales included. Out of range: tile multiples
+    past 512 (decode) / 128 (prefill), a kv one off a 256+ tile in prefill, long kv and wide
+    page ids (opt in, next test), multi-GB pools."""
+    D, SP, P, PP = "mla_decode", "mla_sparse_decode", "mla_prefill", "paged_prefill"
+    reachable = {
+        *((f"kv-multiple-of-{m}", D) for m in (64, 128, 256, 512)),
+        *((f"kv-multiple-of-{m}", P) for m in (64, 128)),
+        ("kv-tile-off-by-one", D), ("partial-last-page", D), ("partial-last-page", PP),
+        ("empty-request", D), ("empty-request", SP), ("empty-segment", P),
+        ("empty-segment", PP), ("single-token-segment", P), ("soft-cap", P),
+        ("per-token-scale", P),
+    }
+    seen = _classes_drawn(S.cases(), 1000)  # rarer pairs (a prefill kv multiple of 128) need more draws
+    assert reachable <= seen, reachable - seen
+
+
+def test_long_kv_and_wide_page_ids_are_an_opt_in_drawn_first() -> None:
+    """decode_cases(long_kv=True, wide_page_ids=True) reaches every long-kv and page-id class
+    within a few examples; the defaults never draw a kv past max_kv."""
+    from mlacheck import boundaries
+
+    wanted = {(f"kv-longer-than-{n}", "mla_decode") for n in boundaries.LONG_KV} | {
+        ("kv-narrow-accumulation", "mla_decode"), ("page-id-past-2^15", "mla_decode"),
+        ("page-id-past-2^16", "mla_decode")}
+    seen = _classes_drawn(S.decode_cases(max_batch=1, long_kv=True, wide_page_ids=True), 30)
+    assert wanted <= seen, wanted - seen
+    assert not wanted & _classes_drawn(S.decode_cases(), 100)
