@@ -1,9 +1,12 @@
 """The real MLA kernel bug classes the suite must catch, numbered as matrices cite them.
 
 Collected from public bug reports against production MLA kernels (vLLM, SGLang, AITER).
-A matrix group names the classes it targets (`covers:`), each planted fault in
-mlacheck/backends/faults names the class it reproduces, and `mlacheck list --coverage`
-checks that every class here is covered by construction.
+A matrix group names the classes it targets (`covers:`, checked by the matrix loader) and
+each planted fault in mlacheck/backends/faults names the class it reproduces (checked when
+the catalogue is built). That every class here is covered is a test, not a command:
+tests/unit/matrices/test_matrix_coverage.py (premerge claims every class) and
+tests/unit/faults/test_faults.py (every class has a fault). `mlacheck list --coverage` shows
+the boundary classes of mlacheck/boundaries.py instead.
 """
 
 from __future__ import annotations

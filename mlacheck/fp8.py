@@ -16,6 +16,8 @@ from typing import Literal
 
 import torch
 
+from mlacheck import formats
+
 OverflowPolicy = Literal["torch", "saturate", "nan"]
 
 
@@ -25,7 +27,11 @@ class Format:
     dtype: torch.dtype
     max: float  # largest finite magnitude
     nan_bits: int  # the bit pattern we poison with (a NaN of this format)
-    bits_dtype: torch.dtype  # integer view of the same width, for bit-level fills
+
+    @property
+    def bits_dtype(self) -> torch.dtype:
+        """The integer view of the same width, for bit-level fills (`int_dtype`)."""
+        return int_dtype(self.dtype)
 
     @property
     def is_fp8(self) -> bool:
@@ -50,13 +56,25 @@ class Format:
 
 FORMATS: dict[str, Format] = {
     # e4m3fn: S.1111.111 is NaN (0x7F / 0xFF), no inf; max 448. OCP format, gfx950 / NVIDIA.
-    "fp8_e4m3fn": Format("fp8_e4m3fn", torch.float8_e4m3fn, 448.0, 0x7F, torch.uint8),
+    "fp8_e4m3fn": Format("fp8_e4m3fn", torch.float8_e4m3fn, 448.0, 0x7F),
     # e4m3fnuz: the single NaN is 0x80 (negative zero's pattern); max 240. gfx942 (MI300).
-    "fp8_e4m3fnuz": Format("fp8_e4m3fnuz", torch.float8_e4m3fnuz, 240.0, 0x80, torch.uint8),
-    "bf16": Format("bf16", torch.bfloat16, 3.3895313892515355e38, 0x7FC0, torch.int16),
-    "fp16": Format("fp16", torch.float16, 65504.0, 0x7E00, torch.int16),
-    "fp32": Format("fp32", torch.float32, 3.4028234663852886e38, 0x7FC00000, torch.int32),
+    "fp8_e4m3fnuz": Format("fp8_e4m3fnuz", torch.float8_e4m3fnuz, 240.0, 0x80),
+    "bf16": Format("bf16", torch.bfloat16, 3.3895313892515355e38, 0x7FC0),
+    "fp16": Format("fp16", torch.float16, 65504.0, 0x7E00),
+    "fp32": Format("fp32", torch.float32, 3.4028234663852886e38, 0x7FC00000),
 }
+
+
+def _check_covers_formats() -> None:
+    """This table and mlacheck.formats (what cases may name, torch-free) must list the same
+    formats with the same widths: a format added to one only fails at import, not mid-run."""
+    if set(FORMATS) != set(formats.FORMATS) or any(
+            f.itemsize != formats.FORMAT_BYTES[name] for name, f in FORMATS.items()):
+        raise ImportError(f"mlacheck.fp8.FORMATS {sorted(FORMATS)} does not match "
+                          f"mlacheck.formats.FORMATS {sorted(formats.FORMATS)} (names and widths)")
+
+
+_check_covers_formats()
 
 # FP8 NaN encodings a kernel may meet in a poisoned pool (all of them are NaN on decode).
 FP8_NAN_BYTES: dict[str, tuple[int, ...]] = {
@@ -70,6 +88,14 @@ def fmt(name: str) -> Format:
         return FORMATS[name]
     except KeyError:
         raise ValueError(f"unknown format {name!r}; known: {', '.join(FORMATS)}") from None
+
+
+def format_of(dtype: torch.dtype) -> str:
+    """The format name of a torch dtype (what a library hands back, e.g. its FP8 dtype)."""
+    for f in FORMATS.values():
+        if f.dtype == dtype:
+            return f.name
+    raise ValueError(f"no mlacheck format is stored as {dtype}; known: {', '.join(FORMATS)}")
 
 
 def chip_fp8_format(gfx: str) -> str:

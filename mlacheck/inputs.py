@@ -70,7 +70,7 @@ class DecodeInputs:
     case: DecodeCase | SparseDecodeCase
     q: Quantised  # [T, H, 576] absorbed queries
     kv: list[Quantised]  # per request [kv_len, 1, 576] (logical order)
-    pool: KVPool  # paged latent pool [P, ps, 1, 576]
+    pool: KVPool  # paged latent pool [P, ps, 1, 576] stored in case.layout (linear: as is)
     qo_indptr: torch.Tensor  # [B+1] int32
     out: Guarded  # [T, H, 512]
     # Sparse only: per query token, logical kv positions in its request, -1 padded to topk.
@@ -221,7 +221,8 @@ def _build_decode(case: DecodeCase | SparseDecodeCase, device: torch.device | st
     table, n_pages = kvcache.assign_pages(lens, case.page_size, page_bytes, case.placement, gen)
     pool = kvcache.build_pool(
         [kvq.stored[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)],
-        table, n_pages, kvq.fmt, kvq.scale, device, "linear", "latent", case.placement.tail_poison,
+        table, n_pages, kvq.fmt, kvq.scale, device, case.layout, "latent",
+        case.placement.tail_poison,
     )
     inputs = DecodeInputs(
         case=case,
@@ -365,9 +366,9 @@ def decode_inputs_from_tensors(
     else the one the case's policy picks from all requests' values (as build() does).
 
     pool: a paged pool that already holds exactly these stored tokens (a serving engine's
-    cache; its page table must describe the case's requests). None: one is laid out with the
-    case's placement through kvcache.assign_pages / build_pool, seeded by `gen` (default: the
-    case's generator).
+    cache; its page table and layout must describe the case's). None: one is laid out with
+    the case's placement and layout through kvcache.assign_pages / build_pool, seeded by
+    `gen` (default: the case's generator).
     """
     d, h = case.dims, case.num_heads
     dev = q.device if device is None else device
@@ -401,10 +402,12 @@ def decode_inputs_from_tensors(
         g = generator(case) if gen is None else gen
         table, n_pages = kvcache.assign_pages(lens, case.page_size, page_bytes, case.placement, g)
         pool = kvcache.build_pool(
-            [p.stored for p in parts], table, n_pages, kvq.fmt, kvq.scale, dev, "linear",
+            [p.stored for p in parts], table, n_pages, kvq.fmt, kvq.scale, dev, case.layout,
             "latent", case.placement.tail_poison,
         )
     else:
+        if pool.layout != case.layout:
+            raise ValueError(f"pool is stored {pool.layout}, the case's layout is {case.layout}")
         if pool.table.page_size != case.page_size or pool.table.kv_lens.tolist() != lens:
             raise ValueError(
                 f"pool table (page size {pool.table.page_size}, kv lens "

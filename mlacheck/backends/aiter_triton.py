@@ -29,7 +29,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,9 +38,11 @@ from typing import Any
 
 import torch
 
+from mlacheck import layouts
 from mlacheck.backends import aiter_triton_compat as compat
 from mlacheck.backends.base import Capability, CaseRule, Output, Range
-from mlacheck.backends.toolkit import signature_problem
+from mlacheck.backends.toolkit import lse_natural, lse_tokens_heads, signature_problem
+from mlacheck.fp8 import format_of
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
 from mlacheck.kvcache import PageTable
 from mlacheck.spec import Case, DecodeCase, SparseDecodeCase
@@ -114,7 +115,6 @@ ROPE_CONFIG_NON_AMD: dict[str, dict[str, Any]] = {
 # operands (triton-lang/triton#11584), and fp8 is not modelled here.
 INTERPRETER_FORMATS = ("fp32", "fp16")
 GPU_FORMATS = ("bf16", "fp16")
-FP8_FORMAT_OF_DTYPE = {torch.float8_e4m3fn: "fp8_e4m3fn", torch.float8_e4m3fnuz: "fp8_e4m3fnuz"}
 POW2_PAGES_FROM_16 = tuple(2**i for i in range(4, 11))  # 16..1024: tl.dot needs a tile >= 16
 # Off ROCm (sm_90, from `--compile-only`): the page is the kernels' KV tile, and at 256 the
 # decode and sparse kernels need more than an H100's 227 KB of shared memory; an FP8 x FP8
@@ -123,6 +123,8 @@ NVIDIA_PAGES = (16, 32, 64, 128)
 NVIDIA_FP8_Q_MIN_PAGE = 32
 H100_MAX_SHARED_BYTES = 232448  # per block, opt-in maximum (227 KB)
 H100_SMS = 132
+# Every decode entry point takes the latent pool as stored linear pages (or token slots).
+DECODE_LAYOUTS = (layouts.LINEAR.name,)
 
 
 # --------------------------------------------------------------------------- capability
@@ -202,7 +204,7 @@ def lse_from_segments(segm_max: torch.Tensor, segm_expsum: torch.Tensor,
     lse2 = top.squeeze(-1) + torch.log2(total)
     lse2 = torch.where(torch.isfinite(top.squeeze(-1)) & (total > 0), lse2,
                        torch.full_like(lse2, float("-inf")))
-    return lse2 * math.log(2.0)
+    return lse_natural(lse2, 2.0)
 
 
 def lse_from_splits(split_lse: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
@@ -411,7 +413,8 @@ class AiterTritonBackend:
                 scale_policies=("unit", "amax"), page_sizes=pages,
                 rules=(fp8_q_needs_page(fp8_min_page),) if fp8_min_page else (),
                 head_counts=Range(1, 128), q_len=Range(1, None), uniform_q_len=True,
-                causal=(True,), devices=devices, refusal=problems.get("mla_decode"),
+                causal=(True,), layouts=DECODE_LAYOUTS, devices=devices,
+                refusal=problems.get("mla_decode"),
                 notes="mla_decode_fwd (vLLM block table); page size = tile (tl.dot needs >= 16); "
                       "uniform q_len (MTP); causal bottom-right; LSE from a skip_reduce launch."
                       + fp8_note)
@@ -419,7 +422,7 @@ class AiterTritonBackend:
             caps["mla_decode"] = Capability(
                 q_formats=base, kv_formats=base, format_pairs=frozenset({(f, f) for f in base}),
                 page_sizes=None, head_counts=Range(1, 128), q_len=Range(1, 1), causal=(True,),
-                devices=devices, refusal=problems.get("mla_decode_rope"),
+                layouts=DECODE_LAYOUTS, devices=devices, refusal=problems.get("mla_decode_rope"),
                 notes="decode_attention_fwd_grouped_rope on token slots (any page size), "
                       f"q_len 1, no FP8 scales, {ROPE_KV_SPLITS} kv splits, LSE from the splits")
         if "mla_prefill" in ops:
@@ -437,7 +440,7 @@ class AiterTritonBackend:
                 q_formats=base, kv_formats=base, format_pairs=frozenset({(f, f) for f in base}),
                 page_sizes=pages, head_counts=Range(16, 128), heads_multiple_of=16, lse=False,
                 q_len=Range(1, None), causal=(True,), rules=(sparse_rows_nonempty,),
-                devices=devices, refusal=problems.get("mla_sparse_decode"),
+                layouts=DECODE_LAYOUTS, devices=devices, refusal=problems.get("mla_sparse_decode"),
                 notes="unified_attention_sparse_mla; topk = global slots (page*ps+offset) "
                       "converted from logical positions; heads multiple of 16 (BLOCK_M 16); "
                       "page size = tile (>= 16); no FP8 scales; no LSE.")
@@ -469,7 +472,7 @@ class AiterTritonBackend:
     def _fp8_format(got: Loaded) -> str:
         types_mod = got.modules.get("types")
         sel = getattr(types_mod, "get_fp8_e4m3_dtype", None) if types_mod else None
-        return FP8_FORMAT_OF_DTYPE[compat.fp8_e4m3_dtype(sel)]
+        return format_of(compat.fp8_e4m3_dtype(sel))
 
     @staticmethod
     def _fp8_heads() -> int:
@@ -621,7 +624,7 @@ class AiterTritonBackend:
                 _, lse_ht, *_ = fa3.fwd(**common, **none, window_size_left=-1,
                                         window_size_right=-1, attention_chunk=0, softcap=0.0,
                                         rotary_interleaved=False)
-                lse = lse_ht.transpose(0, 1).contiguous()  # [H, T] -> [T, H]
+                lse = lse_tokens_heads(lse_natural(lse_ht), case.total_q, h, heads_first=True)
         out = res[0] if isinstance(res, tuple) else res
         inp.out.out.copy_(out.to(inp.out.out.dtype))
         meta = {"aiter_version": got.version, "patches": patches.describe(),

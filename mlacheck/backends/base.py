@@ -46,6 +46,8 @@ class Capability:
     scale_policies: Collection[str] | None = ANY
     per_token_scales: bool = False
     page_sizes: Collection[int] | Range | None = ANY
+    # KV pool layouts (mlacheck.layouts names) of paged prefill and of decode pools; ANY
+    # suits a backend that reads pools only through KVPool.gather / .linear()
     layouts: Collection[str] | None = ANY
     head_counts: Collection[int] | Range | None = ANY
     q_len: Range = Range(1, None)
@@ -114,6 +116,8 @@ class Capability:
             checks += [
                 (_ok(case.page_size, self.page_sizes),
                  f"page size {case.page_size} not in {_fmt(self.page_sizes)}"),
+                (_ok(case.layout, self.layouts),
+                 f"layout {case.layout} not in {_fmt(self.layouts)}"),
                 (all(r.q_len in self.q_len for r in case.requests if r.q_len),
                  f"q_len {case.max_q_len} outside {self.q_len}"),
                 (self.max_batch is None or len(case.requests) <= self.max_batch,

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import torch
 
+from mlacheck import layouts
 from mlacheck.backends.base import Capability, Output
 from mlacheck.backends.toolkit import (
+    LibraryAdapter,
     Loaded,
     cuda_refusal,
     load_library,
@@ -75,29 +77,24 @@ def load() -> Loaded | str:
                         called=CALLED_PARAMETERS, submodules=("mla", "prefill"))
 
 
-class FlashInferBackend:
+class FlashInferBackend(LibraryAdapter):
     """FlashInfer MLA decode + ragged prefill behind the backend contract."""
 
     def __init__(self, kernel: str = "fa2", name: str = "flashinfer") -> None:
         self.kernel = kernel  # FlashInfer's `backend` argument: fa2 or fa3
         self.name = name
-        self._loaded: Loaded | str | None = None
         self._workspace: torch.Tensor | None = None
 
-    def version(self) -> str:
-        got = self._load()
-        return got if isinstance(got, str) else got.version
+    def import_library(self) -> Loaded | str:
+        return load()
 
-    # -- contract
-    def unavailable(self) -> str | None:
-        got = self._load()
-        if isinstance(got, str):
-            return got
+    def machine_refusal(self) -> str | None:
         return cuda_refusal("FlashInfer", 9 if self.kernel == "fa3" else None,
                             "the fa3 kernels need an sm_90 GPU (H100/H200)")
 
+    # -- contract
     def capabilities(self) -> dict[str, Capability]:
-        got = self._load()
+        got = self.loaded()
         if isinstance(got, str):
             return {op: Capability(refusal=got) for op in OP_FUNCTIONS}
         same = lambda fmts: frozenset((f, f) for f in fmts)  # noqa: E731
@@ -105,6 +102,7 @@ class FlashInferBackend:
             "mla_decode": Capability(
                 q_formats=DECODE_FORMATS, kv_formats=DECODE_FORMATS,
                 format_pairs=same(DECODE_FORMATS), causal=(True,), lse=True,
+                layouts=(layouts.LINEAR.name,),  # ckv / kpe are strided views of linear pages
                 empty_requests=True, devices=("cuda",), refusal=got.first_problem(OP_FUNCTIONS["mla_decode"]),
                 notes=f"BatchMLAPagedAttentionWrapper backend={self.kernel}; latent cache as "
                       "strided ckv/kpe views of mlacheck's pool; LSE base 2 -> natural"),
@@ -117,7 +115,7 @@ class FlashInferBackend:
         }
 
     def run(self, case: Case, inputs: Inputs) -> Output:
-        got = self._load()
+        got = self.loaded()
         if isinstance(got, str):
             raise RuntimeError(got)
         if isinstance(case, PrefillCase):
@@ -130,11 +128,6 @@ class FlashInferBackend:
         return out
 
     # -- internals
-    def _load(self) -> Loaded | str:
-        if self._loaded is None:
-            self._loaded = load()
-        return self._loaded
-
     def _workspace_on(self, device: torch.device) -> torch.Tensor:
         if self._workspace is None or self._workspace.device != device:
             self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)

@@ -13,7 +13,8 @@ mixed MTP batch runs as one call per q_len, empty requests left out. FlashMLA re
 LSE as [batch, heads, q_len] in natural log.
 
 What it does not take (SKIP with the reason): FP8 dense caches (sm_90 dense decode is
-bf16/fp16 only) and the sparse decode (its FP8 656-byte V3.2 cache layout with
+bf16/fp16 only), pools in a non-linear layout (repacking one would claim a layout the kernel
+never saw) and the sparse decode (its FP8 656-byte V3.2 cache layout with
 per-128-channel scales is not one of mlacheck's formats).
 """
 
@@ -23,8 +24,16 @@ from typing import Any
 
 import torch
 
+from mlacheck import layouts
 from mlacheck.backends.base import Capability, Output
-from mlacheck.backends.toolkit import Loaded, cuda_refusal, load_library
+from mlacheck.backends.toolkit import (
+    LibraryAdapter,
+    Loaded,
+    cuda_refusal,
+    load_library,
+    lse_natural,
+    lse_tokens_heads,
+)
 from mlacheck.inputs import DecodeInputs, Inputs, generator
 from mlacheck.kvcache import KVPool, repaged
 from mlacheck.spec import Case, DecodeCase
@@ -50,25 +59,20 @@ def load() -> Loaded | str:
                         called=CALLED_PARAMETERS)
 
 
-class FlashMLABackend:
+class FlashMLABackend(LibraryAdapter):
     """FlashMLA's dense decode behind the backend contract."""
 
     def __init__(self, name: str = "flashmla") -> None:
         self.name = name
-        self._loaded: Loaded | str | None = None
 
-    def version(self) -> str:
-        got = self._load()
-        return got if isinstance(got, str) else got.version
+    def import_library(self) -> Loaded | str:
+        return load()
 
-    def unavailable(self) -> str | None:
-        got = self._load()
-        if isinstance(got, str):
-            return got
+    def machine_refusal(self) -> str | None:
         return cuda_refusal("FlashMLA", 9, "FlashMLA's dense decode runs on sm_90 only (H100/H200)")
 
     def capabilities(self) -> dict[str, Capability]:
-        got = self._load()
+        got = self.loaded()
         if isinstance(got, str):
             return {"mla_decode": Capability(refusal=got)}
         problem = got.first_problem(CALLED_PARAMETERS)
@@ -76,6 +80,7 @@ class FlashMLABackend:
             "mla_decode": Capability(
                 q_formats=FORMATS, kv_formats=FORMATS,
                 format_pairs=frozenset((f, f) for f in FORMATS), empty_requests=True,
+                layouts=(layouts.LINEAR.name,),  # FlashMLA's cache: linear pages only
                 causal=(True,), lse=True, devices=("cuda",), refusal=problem,
                 notes="flash_mla_with_kvcache dense decode, persistent tile scheduler; LSE "
                       "natural log. Pages other than 64 run repacked into a page-64 pool; a "
@@ -84,7 +89,7 @@ class FlashMLABackend:
         }
 
     def run(self, case: Case, inputs: Inputs) -> Output:
-        got = self._load()
+        got = self.loaded()
         if isinstance(got, str):
             raise RuntimeError(got)
         assert isinstance(case, DecodeCase) and isinstance(inputs, DecodeInputs)
@@ -106,21 +111,16 @@ class FlashMLABackend:
                 cache_seqlens=seqlens[rows.to(dev)], head_dim_v=dv,
                 tile_scheduler_metadata=sched, softmax_scale=case.softmax_scale, causal=True)
             out[tokens.to(dev)] = o.reshape(-1, heads, dv)
-            lse[tokens.to(dev)] = l.float().transpose(1, 2).reshape(-1, heads)  # [b, H, s_q]
+            lse[tokens.to(dev)] = lse_tokens_heads(lse_natural(l), len(tokens), heads)  # [b, H, s_q]
             sm_parts.append(_sm_parts(sched))
         meta: dict[str, Any] = {"flashmla": {
             "version": got.version, "sm_parts": sm_parts, "calls": len(sm_parts),
             "repacked_from_page_size": repacked}}
         return Output(out, lse, metadata=meta)
 
-    def _load(self) -> Loaded | str:
-        if self._loaded is None:
-            self._loaded = load()
-        return self._loaded
-
 
 def _needs_repage(pool: KVPool) -> bool:
-    return pool.table.page_size != PAGE_SIZE or pool.layout != "linear"
+    return pool.table.page_size != PAGE_SIZE or pool.layout != layouts.LINEAR.name
 
 
 def _uniform_groups(

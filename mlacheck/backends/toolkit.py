@@ -3,7 +3,8 @@
 An adapter (mlacheck/backends/aiter, aiter_triton, flashinfer, flashmla) imports an optional
 library, checks that the installed functions take the keywords it passes, converts the
 library's LSE convention and layout to mlacheck's (natural log, [tokens, heads]) and says
-which version it ran. Capabilities are data on backends.base.Capability.
+which version it ran (`LibraryAdapter`: load once, `version`, `unavailable`). Capabilities
+are data on backends.base.Capability.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from types import ModuleType
 from typing import Any
 
 import torch
-
-LN2 = math.log(2.0)
 
 
 def signature_problem(function: Callable[..., Any], qualname: str,
@@ -61,9 +60,19 @@ def lse_natural(lse: torch.Tensor, base: float = math.e) -> torch.Tensor:
     return lse if base == math.e else lse * math.log(base)
 
 
-def lse_tokens_heads(lse: torch.Tensor, total_q: int, heads: int) -> torch.Tensor:
+def lse_tokens_heads(lse: torch.Tensor, total_q: int, heads: int, *,
+                     heads_first: bool = False) -> torch.Tensor:
     """[T, H] from the layouts libraries use: [T, H], [H, T], [T, 1, H, 1] or [B, H, S]
-    with B * S == T (read as written: tokens of batch b are rows b*S .. b*S+S-1)."""
+    with B * S == T (read as written: tokens of batch b are rows b*S .. b*S+S-1).
+
+    heads_first: the library documents [H, T] (CK, FlashAttention-3's fwd): transposed even
+    when T == H, where the shape alone would read as [T, H].
+    """
+    if heads_first:
+        if tuple(lse.shape) != (heads, total_q):
+            raise ValueError(f"LSE of shape {tuple(lse.shape)} is not [{heads} heads, "
+                             f"{total_q} tokens]")
+        return lse.transpose(0, 1)
     if tuple(lse.shape) == (total_q, heads):
         return lse
     if tuple(lse.shape) == (heads, total_q):
@@ -121,16 +130,27 @@ def load_library(module: str, *, distributions: Sequence[str], install_hint: str
     except Exception as e:  # noqa: BLE001 - a broken install is a one-line SKIP reason
         return f"{module} failed to import: {type(e).__name__}: {e}"[:300]
     loaded = Loaded(top, library_version(distributions, top))
+    loaded.problems.update(signature_problems(loaded.function, module, called))
+    return loaded
+
+
+def signature_problems(lookup: Callable[[str], Any], module: str,
+                       called: Mapping[str, Sequence[str]]) -> dict[str, str]:
+    """function -> why calling it would fail (absent, or `signature_problem`), for every
+    function in `called` (dotted name under `module` -> the keywords passed); `lookup`
+    finds a dotted name (AttributeError: absent). For adapters that import a library their
+    own way; `load_library` uses it too."""
+    problems: dict[str, str] = {}
     for qualname, passed in called.items():
         try:
-            fn = loaded.function(qualname)
+            fn = lookup(qualname)
         except AttributeError:
-            loaded.problems[qualname] = f"{module} has no {qualname}"
+            problems[qualname] = f"{module} has no {qualname}"
             continue
         problem = signature_problem(fn, f"{module}.{qualname}", passed)
         if problem:
-            loaded.problems[qualname] = problem
-    return loaded
+            problems[qualname] = problem
+    return problems
 
 
 def cuda_refusal(library: str, sm_major: int | None = None, arch_reason: str = "") -> str | None:
@@ -140,3 +160,34 @@ def cuda_refusal(library: str, sm_major: int | None = None, arch_reason: str = "
     if sm_major is not None and torch.cuda.get_device_capability()[0] != sm_major:
         return arch_reason or f"{library} needs an sm_{sm_major}x GPU"
     return None
+
+
+class LibraryAdapter:
+    """The part of a backend that adapts one optional library, written once: the library is
+    loaded on first use (importing mlacheck imports nothing optional), `version()` goes into
+    every verdict, and `unavailable()` is why not (not installed, a broken build, no fitting
+    GPU). A subclass says how it loads (`import_library`) and what the machine needs."""
+
+    _loaded: Loaded | str | None = None
+
+    def import_library(self) -> Loaded | str:
+        """`load_library` with the adapter's module and the functions it calls."""
+        raise NotImplementedError
+
+    def machine_refusal(self) -> str | None:
+        """Why this machine cannot run the library's kernels (e.g. `cuda_refusal`), or None."""
+        return None
+
+    def loaded(self) -> Loaded | str:
+        """The library, or the one-line reason it cannot be used (asked once)."""
+        if self._loaded is None:
+            self._loaded = self.import_library()
+        return self._loaded
+
+    def version(self) -> str:
+        got = self.loaded()
+        return got if isinstance(got, str) else got.version
+
+    def unavailable(self) -> str | None:
+        got = self.loaded()
+        return got if isinstance(got, str) else self.machine_refusal()

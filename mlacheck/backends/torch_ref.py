@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from mlacheck import layouts
 from mlacheck.backends.base import Capability, Output
 from mlacheck.backends.numerics import (
     DEFAULT_NUMERICS,
@@ -41,8 +42,12 @@ class TorchBackend:
         return case.softmax_scale
 
     def capabilities(self) -> dict[str, Capability]:
-        full = Capability(soft_cap=True, per_token_scales=True, empty_requests=True)
-        decode = Capability(causal=(True,), per_token_scales=True, empty_requests=True)
+        # every layout: pools are read through KVPool.gather, which reads any layout back
+        every = layouts.NAMES
+        full = Capability(soft_cap=True, per_token_scales=True, empty_requests=True,
+                          layouts=every)
+        decode = Capability(causal=(True,), per_token_scales=True, empty_requests=True,
+                            layouts=every)
         return {
             "mla_prefill": full,
             "paged_prefill": full,

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mlacheck import fp8, kvcache
+from mlacheck import fp8, kvcache, layouts
 from mlacheck.backends.base import Backend, Output, skip_reason
 from mlacheck.e2e.config import E2EError
 from mlacheck.e2e.model import DecoderLayer, MLAAttention, MLAModel
@@ -118,7 +118,7 @@ class PagedLatentCache:
             self.fmt,
             scale,
             self.device,
-            "linear",
+            layouts.LINEAR.name,  # append() writes token slots: the cache is linear
             "latent",
             self.att.placement.tail_poison,
         )
@@ -159,7 +159,7 @@ class PagedLatentCache:
     def pool_view(self, layer: int, table: PageTable) -> KVPool:
         pool = self.pools[layer]
         assert pool is not None
-        return KVPool(pool.data, pool.fmt, pool.scale, table, "linear", "latent")
+        return KVPool(pool.data, pool.fmt, pool.scale, table, layouts.LINEAR.name, "latent")
 
 
 class MLARunner:

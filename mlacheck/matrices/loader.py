@@ -88,7 +88,9 @@ MARKERS: dict[str, str] = {
 }
 KNOWN_MARKERS = tuple(MARKERS)
 
-# # `covers:` entries must name one of them (or a boundary class).
+# What a group's `covers:` entries may name: a bug class of mlacheck/bugclasses.py (by its
+# number) or a boundary class of mlacheck/boundaries.py (by its name).
+_BUG_CLASS_RANGE = f"{min(BUG_CLASSES)}..{max(BUG_CLASSES)}"
 
 GROUP_KEYS = ("name", "kind", "covers", "base", "axes", "seeds", "markers", "exclude")
 TOP_KEYS = ("name", "description", "include", "shared", "groups")
@@ -301,12 +303,13 @@ def _expand_group(group: Any, index: int, file: str, seen: set[str]) -> list[Mat
         raise MatrixError(f"{where}: kind must be one of {', '.join(CASE_TYPES)}, not {kind!r}")
     covers = group.get("covers", []) or []
     if not isinstance(covers, list):
-        raise MatrixError(f"{where}: covers must be a list of bug classes of mlacheck/bugclasses.py (1..12) "
-                          "or boundary class names")
+        raise MatrixError(f"{where}: covers must be a list of bug classes of "
+                          f"mlacheck/bugclasses.py ({_BUG_CLASS_RANGE}) or boundary class names")
     for c in covers:
         if isinstance(c, bool) or (c not in BUG_CLASSES and c not in boundaries.BY_NAME):
-            raise MatrixError(f"{where}: covers {c!r} is neither a bug class of mlacheck/bugclasses.py (1..12) "
-                              f"nor a boundary class ({', '.join(boundaries.BY_NAME)})")
+            raise MatrixError(f"{where}: covers {c!r} is neither a bug class of "
+                              f"mlacheck/bugclasses.py ({_BUG_CLASS_RANGE}) nor a boundary "
+                              f"class ({', '.join(boundaries.BY_NAME)})")
     base = group.get("base", {}) or {}
     axes = dict(group.get("axes", {}) or {})
     if not isinstance(base, dict) or not isinstance(axes, dict):

@@ -54,6 +54,7 @@ from mlacheck.backends.aiter.capability import (
     nonpersistent_head_targets,
 )
 from mlacheck.backends.base import Capability, CaseRule, Output, Range
+from mlacheck.backends.toolkit import lse_natural, lse_tokens_heads
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
 from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
 
@@ -167,6 +168,8 @@ class AiterAdapter:
             format_pairs=frozenset(decode_pairs), scale_policies=("unit", "amax"),
             head_counts=Range(1, MAX_DECODE_HEADS),
             q_len=Range(1, 4), causal=(True,), devices=self.devices,
+            # kv_buffer is the pool's memory as is: [pages, page_size, 1, 576]
+            layouts=(layouts.LINEAR.name,),
         )
         decode_rules: tuple[CaseRule, ...] = (
             (folded_heads_need_uniform_q_len(api.gfx),) if self.persistent
@@ -186,7 +189,8 @@ class AiterAdapter:
             "paged_prefill": Capability(
                 q_formats=("bf16", "fp16", chip_fp8), kv_formats=("bf16", "fp16", chip_fp8),
                 format_pairs=frozenset({("bf16", "bf16"), ("fp16", "fp16"), fp8_pair}),
-                scale_policies=("unit", "amax"), layouts=layouts.NAMES,
+                scale_policies=("unit", "amax"),
+                layouts=(layouts.LINEAR.name, layouts.VECTORIZED.name),  # CK's two
                 soft_cap=True, devices=self.devices, refusal=api.op_problem("paged_prefill"),
                 notes="CK mha_batch_prefill_func, sglang-style page table"),
         }
@@ -535,12 +539,8 @@ class AiterAdapter:
         got, lse = (result[0], result[1]) if case.return_lse else (result, None)
         if got.data_ptr() != out.data_ptr():  # an implementation that ignored `out=`
             out.copy_(got)
-        if lse is not None:
-            # CK returns [H, total_q] (natural log): normalise to [total_q, H]
-            if tuple(lse.shape) != (case.num_heads, out.shape[0]):
-                raise AdapterError(f"mha_batch_prefill_func returned an LSE of shape "
-                                   f"{tuple(lse.shape)}, not [heads, tokens]")
-            lse = lse.transpose(0, 1).float()
+        if lse is not None:  # CK returns [H, total_q]
+            lse = _normalise_lse(lse, out.shape[0], case.num_heads, heads_first=True)
         return Output(out, lse, wrote_into_guarded=True)
 
 
@@ -559,12 +559,14 @@ def _scale_tensor(scale: torch.Tensor) -> torch.Tensor:
     return scale.reshape(1).to(torch.float32).contiguous()
 
 
-def _normalise_lse(lse: torch.Tensor, total_q: int, heads: int) -> torch.Tensor:
-    """[T, H], [T, H, 1] or [T, 1, H, 1] (natural log) -> [T, H] fp32."""
-    if lse.numel() != total_q * heads or lse.shape[0] != total_q:
-        raise AdapterError(f"unexpected LSE shape {tuple(lse.shape)} for {total_q} tokens x "
-                           f"{heads} heads")
-    return lse.reshape(total_q, heads).float()
+def _normalise_lse(lse: torch.Tensor, total_q: int, heads: int, *,
+                   heads_first: bool = False) -> torch.Tensor:
+    """AITER's natural-log LSE as [T, H] fp32 (toolkit): decode and FP8 prefill return
+    [T, H], [T, H, 1] or [T, 1, H, 1]; CK's batch prefill [H, T] (heads_first)."""
+    try:
+        return lse_tokens_heads(lse_natural(lse), total_q, heads, heads_first=heads_first)
+    except ValueError as e:  # a shape the adapter does not know is the adapter's error
+        raise AdapterError(f"AITER returned an unexpected LSE: {e}") from None
 
 
 def _decode_lse(result: Any, total_q: int, heads: int) -> torch.Tensor | None:
@@ -649,8 +651,7 @@ def folded_kv_offsets_wrong(case: DecodeCase, gfx: str | None = None) -> bool:
     """Whether the AITER model's v1.2 planner gives this case a split work whose kv_offset
     uses another request's last-page length (docs/gpu-results.md, finding 2). Plans only:
     no tensors beyond the index arrays. gfx None: the chip the environment selects."""
-    from mlacheck.backends.aiter_model import _metadata
-    from mlacheck.backends.aiter_model.jit.utils import chip_info
+    from mlacheck.backends.aiter_model import chip_info, plan_decode_metadata
 
     if case.page_size == 1:
         return False
@@ -677,7 +678,7 @@ def folded_kv_offsets_wrong(case: DecodeCase, gfx: str | None = None) -> bool:
             split_cap = min(split_cap, max(1, math.ceil(cu_num / len(lens))))
         fp8_pair = q_fmt.is_fp8 and kv_fmt.is_fp8
         try:
-            plan = _metadata.plan_for(
+            plan = plan_decode_metadata(
                 qo, kv, torch.tensor(last, dtype=torch.int32), heads, 1, True,
                 page_size=case.page_size,
                 kv_granularity=max(case.page_size, 32 if heads == 64 and fp8_pair else 16),

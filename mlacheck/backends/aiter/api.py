@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from mlacheck import fp8
-from mlacheck.backends.toolkit import library_version, signature_problem
+from mlacheck.backends.toolkit import library_version, signature_problems
 
 # --------------------------------------------------------------------------- targets
 
@@ -222,15 +222,8 @@ def load_api(module_name: str) -> AiterApi | str:
                 "inconsistent chip detection (GPU_ARCHS?)")
     api = AiterApi(module, mla, gfx, fp8_dtype, chip_format, cu_num,
                    library_version(dists or [top], module))
-    for qualname, passed in CALLED_PARAMETERS.items():
-        try:
-            fn = api.function(qualname)
-        except AttributeError:
-            api.problems[qualname] = f"{module_name} has no function {qualname}"
-            continue
-        problem = signature_problem(fn, f"{module_name}.{qualname}", passed)
-        if problem:
-            api.problems[qualname] = problem + _known_version_hint(problem)
+    api.problems = {name: problem + _known_version_hint(problem) for name, problem in
+                    signature_problems(api.function, module_name, CALLED_PARAMETERS).items()}
     return api
 
 

@@ -16,6 +16,9 @@ env CU_NUM (default 8, see chip_info). Env MLACHECK_AITER_MODEL_REVISION=pr3606 
 ROCm/aiter#3606 (final LSE of the FP8 prefill) instead of AITER main. docs: the module
 docstrings of `_metadata`, `_kernels`, `_ps`, `_reduce` and `_mha` say what is modelled and
 where the model deliberately differs.
+
+Not AITER's: `plan_decode_metadata`, the v1.2 decode plan without buffers (what the adapter's
+known-failure predicates replay), and the IS_MLACHECK_MODEL / VERSION_MARKER markers.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ from mlacheck.backends.aiter_model._metadata import (
     get_mla_decode_fwd_max_splits,
     get_mla_metadata_info_v1,
     get_mla_metadata_v1,
+)
+from mlacheck.backends.aiter_model._metadata import (
+    plan_for as plan_decode_metadata,  # mlacheck's own: the v1.2 plan without buffers
 )
 from mlacheck.backends.aiter_model._mha import mha_batch_prefill_func
 from mlacheck.backends.aiter_model._ps import get_ps_metadata_v1, mla_prefill_ps_asm_fwd
@@ -77,5 +83,6 @@ __all__ = [
     "mla_decode_stage1_asm_fwd",
     "mla_prefill_ps_asm_fwd",
     "mla_reduce_v1",
+    "plan_decode_metadata",
     "revision",
 ]

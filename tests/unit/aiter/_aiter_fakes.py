@@ -1,6 +1,7 @@
 """Fake `aiter`-shaped modules for the adapter tests: stubs with AITER main's signatures
-(e4048607, per the research note), installable under any module name, one function
-replaceable to simulate another AITER version. The stubs are never called."""
+(e4048607: TARGET_COMMIT in mlacheck/backends/aiter/api.py), installable under any module
+name, one function replaceable to simulate another AITER version. The stubs are never
+called."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def mha_batch_prefill_func(q, k, v, cu_seqlens_q, kv_indptr, kv_page_indices, ma
     raise NotImplementedError
 
 
-# AITER 0.1.7.post2.dev18 generation (research note §9): no page_size / nhead_kv, sm_scale
+# AITER 0.1.7.post2.dev18 generation (docs/aiter.md, 'Versions'): no page_size / nhead_kv, sm_scale
 # 9th; metadata without kv_last_page_lens / page_size / dtypes, work_indptr before work_info.
 def mla_decode_fwd_0_1_7(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens,  # noqa: ANN001, ANN201
                          max_seqlen_q, sm_scale=None, logit_cap=0.0, num_kv_splits=None,

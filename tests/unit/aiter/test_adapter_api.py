@@ -151,7 +151,7 @@ def test_head_fake_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
      fast_mode=True, num_kv_splits=32, intra_batch_mode=False, max_split_per_batch=-1: None,
      "get_mla_metadata_info_v1 requires parameter 'cu_count'"),
     # a missing function
-    ("get_mla_metadata_v1", None, "has no function get_mla_metadata_v1"),
+    ("get_mla_metadata_v1", None, "has no get_mla_metadata_v1"),
 ])
 def test_incompatible_decode_api_makes_the_backend_unavailable(
         monkeypatch: pytest.MonkeyPatch, qualname: str, mutated: Callable[..., Any] | None,

@@ -45,4 +45,4 @@ def test_case_markers_are_registered_from_the_one_definition(pytestconfig: pytes
     from mlacheck.matrices.loader import KNOWN_MARKERS, MARKERS
 
     registered = {line.split(":", 1)[0] for line in pytestconfig.getini("markers")}
-    assert set(MARKERS) <= registered and KNOWN_MARKERS == tuple(MARKERS)
+    assert set(MARKERS) <= registered and tuple(MARKERS) == KNOWN_MARKERS

@@ -166,3 +166,16 @@ def test_wide_format_nan_fill_and_sentinel(name: str) -> None:
     assert math.isfinite(s) and s >= 1e4 and math.isfinite(torch.tensor(s).to(f.dtype).item())
     for n in FP8:
         assert fp8.sentinel_value(n) == fp8.fmt(n).max
+
+
+def test_one_width_table_and_the_spec_formats_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlacheck import formats
+
+    for name, f in fp8.FORMATS.items():
+        assert f.bits_dtype == fp8.int_dtype(f.dtype) and f.bits_dtype.itemsize == f.itemsize
+        assert fp8.format_of(f.dtype) == name
+    with pytest.raises(ValueError, match="no mlacheck format is stored as torch.float64"):
+        fp8.format_of(torch.float64)
+    monkeypatch.setattr(formats, "FORMATS", (*formats.FORMATS, "fp4_e2m1"))
+    with pytest.raises(ImportError, match="does not match"):
+        fp8._check_covers_formats()

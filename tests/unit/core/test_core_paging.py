@@ -23,7 +23,7 @@ PAGE_SIZES = [1, 16, 64, 1024]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+    return t.contiguous().view(fp8.int_dtype(t.dtype))
 
 
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

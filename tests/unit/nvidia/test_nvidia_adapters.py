@@ -116,3 +116,14 @@ def test_not_installed_is_a_one_line_reason(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setitem(__import__("sys").modules, "flashinfer", None)
     assert "not installed" in flashmla.FlashMLABackend().unavailable()
     assert "not installed" in flashinfer.FlashInferBackend().unavailable()
+
+
+def test_a_vectorized_decode_pool_is_a_skip_naming_the_layout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both libraries read linear pages only: a vectorized latent pool is not repacked."""
+    install(monkeypatch, {"flash_mla": fake_flash_mla(), **fake_flashinfer()})
+    vec = DecodeCase(requests=(Request(1, 70),), page_size=64, quant=BF16, layout="vectorized")
+    for backend in (flashmla.FlashMLABackend(), flashinfer.FlashInferBackend()):
+        v = run_case(vec, on_cpu(backend), RunOptions("cpu"))
+        assert v.status == "SKIP" and v.reason == "layout vectorized not in {linear}", v.reason
+        assert run_case(DECODE_CASES[0], on_cpu(backend), RunOptions("cpu")).status == "PASS"

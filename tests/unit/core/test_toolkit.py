@@ -1,0 +1,54 @@
+"""The backend toolkit's LSE normalisation and signature checks, used by every adapter."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+
+from mlacheck.backends.toolkit import lse_natural, lse_tokens_heads, signature_problems
+
+
+def test_lse_natural_converts_base_2_and_keeps_natural_log() -> None:
+    x = torch.tensor([[0.5, -3.0]], dtype=torch.bfloat16)
+    assert lse_natural(x).dtype == torch.float32
+    assert torch.equal(lse_natural(x), x.float())
+    assert torch.allclose(lse_natural(x, 2.0), x.float() * math.log(2.0))
+
+
+@pytest.mark.parametrize("layout", ["TH", "HT", "T1H1", "TH1", "BHS"])
+def test_every_library_layout_becomes_tokens_by_heads(layout: str) -> None:
+    t, h = 6, 4
+    want = torch.arange(t * h, dtype=torch.float32).reshape(t, h)
+    given = {"TH": want, "HT": want.T, "T1H1": want.reshape(t, 1, h, 1),
+             "TH1": want.reshape(t, h, 1),
+             "BHS": want.reshape(2, 3, h).transpose(1, 2)}[layout]  # B=2 batches of S=3
+    assert torch.equal(lse_tokens_heads(given, t, h), want)
+
+
+def test_heads_first_is_transposed_even_when_square() -> None:
+    n = 4
+    heads_by_tokens = torch.arange(n * n, dtype=torch.float32).reshape(n, n)
+    # by shape alone a square [H, T] reads as [T, H]; a library that says [H, T] is transposed
+    assert torch.equal(lse_tokens_heads(heads_by_tokens, n, n), heads_by_tokens)
+    assert torch.equal(lse_tokens_heads(heads_by_tokens, n, n, heads_first=True),
+                       heads_by_tokens.T)
+    with pytest.raises(ValueError, match=r"not \[4 heads, 5 tokens\]"):
+        lse_tokens_heads(torch.zeros(5, 4), 5, 4, heads_first=True)
+
+
+def test_signature_problems_names_absent_renamed_and_new_required() -> None:
+    lib = types.SimpleNamespace(
+        fits=lambda a, b=1: None, renamed=lambda a, c=1: None, needs_more=lambda a, d: None)
+
+    def lookup(name: str) -> object:
+        return getattr(lib, name)
+
+    called = {"fits": ("a", "b"), "renamed": ("a", "b"), "needs_more": ("a",), "gone": ("a",)}
+    problems = signature_problems(lookup, "lib", called)
+    assert set(problems) == {"renamed", "needs_more", "gone"}
+    assert problems["renamed"] == "lib.renamed has no parameter 'b' (renamed or removed)"
+    assert "requires parameter 'd'" in problems["needs_more"]
+    assert problems["gone"] == "lib has no gone"
