@@ -63,14 +63,14 @@ def one_line(v: object) -> str:
 
 def render_summary(
     verdicts: list, unparsable: int, title: str, notes: Sequence[str], outcome: object = None,
-    expected: int = 0,
+    expected: int = 0, missing: int | None = None,
 ) -> tuple[str, str, int]:
     """(screen text, markdown, exit code) for a list of verdicts and the gate's outcome."""
     from mlacheck.outcome import EXIT_OK
     from mlacheck.report.summary import summarise
     from mlacheck.verdict import CRASH, FAIL
 
-    s = summarise(verdicts, unparsable, expected=expected)
+    s = summarise(verdicts, unparsable, expected=expected, missing=missing)
     statuses = s.statuses
     rows = [(b, op, [c.get(st, 0) for st in statuses]) for (b, op), c in s.counts.items()]
     wb = max([len("backend")] + [len(b) for b, _, _ in rows])
@@ -165,7 +165,8 @@ def cmd_summary(args: argparse.Namespace) -> int:
     outcome = gate_outcome(path, names,
                            CoveragePolicy(ops, args.min_executed, args.allow_xpass))
     screen, md, code = render_summary(loaded.verdicts, loaded.skipped, args.title,
-                                      args.note or [], outcome, loaded.expected)
+                                      args.note or [], outcome, loaded.expected,
+                                      loaded.missing)
     sys.stdout.write(screen)
     if args.md:
         Path(args.md).parent.mkdir(parents=True, exist_ok=True)

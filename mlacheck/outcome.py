@@ -11,7 +11,7 @@ its own code so a CI job can tell a kernel bug from a broken environment.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from mlacheck.verdict import CRASH, ERROR, FAIL, PASS, SKIP
@@ -25,6 +25,9 @@ EXIT_SUITE_ERROR = 3  # mlacheck itself failed (building inputs or the golden): 
 EXIT_PYTEST_USAGE = 4
 EXIT_NOTHING_COLLECTED = 5
 EXIT_NOT_ENOUGH_RAN = 6  # coverage policy violated, or the run is incomplete
+# pytest's own internal error (INTERNALERROR: pytest, xdist or an mlacheck hook failed outside
+# any case) is pytest's 3, which is the suite-error code here: it gets a code of its own.
+EXIT_INTERNAL_ERROR = 7
 
 XPASS = "XPASS"
 KNOWN = "KNOWN"
@@ -86,8 +89,8 @@ class Outcome:
     lines: list[str]  # why, for the terminal (empty when green)
     coverage: dict[tuple[str, str], Coverage]
     counts: Counter[str]
-    recorded: int
-    expected: int
+    recorded: int  # expected items that have a verdict
+    expected: int  # items the run header(s) named
 
     @property
     def incomplete(self) -> bool:
@@ -107,9 +110,12 @@ def coverage_table(items: Iterable[Item]) -> dict[tuple[str, str], Coverage]:
 
 
 def decide(items: Sequence[Item], *, requested_backends: Sequence[str] = (),
-           expected: int = 0, policy: CoveragePolicy = CoveragePolicy()) -> Outcome:
+           expected: Collection[tuple[str, str]] = (),
+           policy: CoveragePolicy = CoveragePolicy()) -> Outcome:
     """The exit code and its reasons. `items`: one per (backend, case), latest verdict;
-    `expected`: how many items the run(s) meant to run (0: unknown, not checked)."""
+    `expected`: the (backend name, case id) items the run(s) meant to run (empty: unknown).
+    Missing is a set difference, not a count: verdicts for items outside `expected` (from
+    another run over the same file) must not stand in for missing ones."""
     counts = Counter(it.bucket for it in items)
     cov = coverage_table(items)
     lines: list[str] = []
@@ -152,14 +158,15 @@ def decide(items: Sequence[Item], *, requested_backends: Sequence[str] = (),
             if op in ops and c.total and c.executed / c.total < policy.min_executed:
                 short.append(f"backend {b} {op}: executed {c.executed} of {c.total} "
                              f"({c.executed / c.total:.0%} < --min-executed {policy.min_executed:.0%})")
-    recorded = len(items)
-    if expected and recorded < expected:
-        short.append(f"INCOMPLETE: {recorded} of {expected} items have a verdict")
+    missing = set(expected) - {(it.backend, it.case_id) for it in items}
+    recorded = len(set(expected)) - len(missing)
+    if missing:
+        short.append(f"INCOMPLETE: {recorded} of {len(set(expected))} items have a verdict")
     if short:
         codes.append(EXIT_NOT_ENOUGH_RAN)
         lines += short
     code = min(codes, key=_PRIORITY.index) if codes else EXIT_OK
-    return Outcome(code, lines, cov, counts, recorded, expected)
+    return Outcome(code, lines, cov, counts, recorded, len(set(expected)))
 
 
 # When several hold, the most specific to the kernel wins.
@@ -188,4 +195,5 @@ def exit_meaning(code: int) -> str:
         EXIT_PYTEST_USAGE: "usage error (pytest)",
         EXIT_NOTHING_COLLECTED: "nothing selected to run",
         EXIT_NOT_ENOUGH_RAN: "not enough ran (coverage policy or incomplete run)",
+        EXIT_INTERNAL_ERROR: "internal error of the test driver (no verdict on the run)",
     }.get(code, "pytest error")

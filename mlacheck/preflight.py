@@ -41,6 +41,20 @@ def resolve_device(spec: str) -> str:
     return spec
 
 
+def check_expression(flag: str, expr: str | None) -> None:
+    """A -k / -m expression pytest cannot parse, found before any worker starts: under xdist
+    each worker fails on it and the controller ends in an INTERNALERROR."""
+    if not expr:
+        return
+    from _pytest.mark.expression import Expression  # what pytest parses -k / -m with
+
+    try:
+        Expression.compile(expr)
+    except Exception as e:  # SyntaxError (pytest 9), ParseError (older): a bad expression
+        why = f"{e.msg} (column {e.offset})" if isinstance(e, SyntaxError) else str(e)
+        raise PreflightError(f"{flag} {expr!r} is not a valid expression: {why}") from None
+
+
 def check_output_file(path: str | Path, what: str) -> Path:
     """The file can be created or appended to: its directory is made if missing."""
     p = Path(path)

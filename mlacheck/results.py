@@ -20,8 +20,9 @@ from typing import Any
 
 from mlacheck.verdict import ERROR
 
-# Version of the header's layout; a reader accepts this and older.
-SCHEMA = 1
+# Version of the header's layout; a reader accepts this and older. 2: `expected` names each
+# backend as its verdicts do (Backend.name); 1 named it as requested (a spec: `pkg.mod:factory`).
+SCHEMA = 2
 HEADER_KEY = "mlacheck_results"
 
 ItemKey = tuple[str, str]  # (backend, case id)
@@ -40,18 +41,21 @@ class RunHeader:
     matrix: str = ""
     device: str = ""
     started: float = 0.0
+    schema: int = SCHEMA
 
     def to_line(self) -> str:
         run = {"expected": [list(k) for k in self.expected], "backends": list(self.backends),
                "matrix": self.matrix, "device": self.device, "started": self.started}
-        return json.dumps({HEADER_KEY: SCHEMA, "run": run}, sort_keys=True) + "\n"
+        return json.dumps({HEADER_KEY: self.schema, "run": run}, sort_keys=True) + "\n"
 
     @classmethod
     def from_record(cls, d: dict[str, Any]) -> RunHeader:
         run = d.get("run") or {}
+        schema = d.get(HEADER_KEY)
         return cls(tuple((str(b), str(c)) for b, c in run.get("expected", [])),
                    tuple(run.get("backends", [])), str(run.get("matrix", "")),
-                   str(run.get("device", "")), float(run.get("started", 0.0)))
+                   str(run.get("device", "")), float(run.get("started", 0.0)),
+                   schema if isinstance(schema, int) else 1)
 
 
 def new_header(expected: list[ItemKey], backends: list[str], matrix: str, device: str) -> RunHeader:
@@ -100,8 +104,19 @@ class RawResults:
 
     @property
     def expected(self) -> set[ItemKey]:
-        """Every item some run over this file meant to run."""
-        return {k for h in self.headers for k in h.expected}
+        """Every item some run over this file meant to run, keyed as verdicts key it:
+        (backend name, case id). A schema-1 header named backends as requested; the verdict
+        lines say which name each request ran under."""
+        name_of = {str(r["backend_spec"]): str(r.get("backend", "")) for r in self.records
+                   if r.get("backend_spec")}
+        return {(b if h.schema >= 2 else name_of.get(b, b), c)
+                for h in self.headers for b, c in h.expected}
+
+    @property
+    def missing(self) -> set[ItemKey]:
+        """Expected items without a verdict line: a set difference, so lines for items no
+        header named (another run's, a foreign line) cannot hide a missing one."""
+        return self.expected - {item_key(r) for r in self.records}
 
     @property
     def written_by_mlacheck(self) -> bool:
@@ -122,8 +137,8 @@ def read_raw(path: str | Path) -> RawResults:
                 continue
             if is_header(d):
                 out.headers.append(RunHeader.from_record(d))
-            elif isinstance(d, dict):
-                out.records.append(d)
+            elif isinstance(d, dict) and isinstance(d.get("case_id"), str) and d["case_id"]:
+                out.records.append(d)  # a JSON object without a case id is no verdict
             else:
                 out.bad_lines.append(n)
     return out
@@ -158,11 +173,14 @@ def recorded_items(path: Path | None) -> set[ItemKey]:
     return {key for key, status in latest.items() if status != ERROR}
 
 
-def check_resumable(path: Path) -> None:
-    """`--resume` continues only a file mlacheck wrote (one with a run header)."""
+def check_resumable(path: Path, option: str = "--resume") -> None:
+    """`--resume` and `--append` continue only a file mlacheck wrote (one with a run header):
+    another file's lines would be counted as items, or hide missing ones. An empty file has
+    nothing to misread."""
     if not path.exists():
         return
-    if not read_raw(path).written_by_mlacheck:
+    raw = read_raw(path)
+    if not raw.written_by_mlacheck and (raw.records or raw.bad_lines):
         raise NotAResultsFile(
             f"{path} has no mlacheck run header: it was not written by `mlacheck run` (or by an "
-            "older mlacheck); refusing to --resume it (start a new results file)")
+            f"older mlacheck); refusing to {option} it (start a new results file)")

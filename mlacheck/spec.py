@@ -19,7 +19,6 @@ from mlacheck.formats import FORMAT_BYTES, FORMATS, VECTOR_BYTES, vector_width  
 
 # --------------------------------------------------------------------------- dims
 
-Op = Literal["mla_prefill", "mla_decode", "mla_sparse_decode", "paged_prefill"]
 OPS: tuple[str, ...] = ("mla_prefill", "mla_decode", "mla_sparse_decode", "paged_prefill")
 
 ScalePolicy = Literal["unit", "amax"]
@@ -183,7 +182,7 @@ class Paging:
     """Paged K/V for CK-style batch prefill."""
 
     page_size: int = 16
-    layout: Layout = "linear"
+    layout: Layout = layouts.LINEAR.name
 
 
 # --------------------------------------------------------------------------- cases
@@ -196,7 +195,10 @@ class _CaseBase:
     # Fields added after the first case schema. Case ids and seeds hash the *identity*
     # JSON, which leaves such a field out while it holds its default: adding a defaulted
     # field therefore changes no existing id and no existing case's data (known-failure
-    # rules, pinned ids and old replays stay valid). Every field added from now on goes here.
+    # rules, pinned ids and old replays stay valid). Every field added from now on goes here;
+    # a subclass's set adds to its parents' (see `later_fields`), never replaces them. The
+    # nested types (Quant, Placement, Paging, MLADims, Request, Segment) declare theirs the
+    # same way, a `LATER_FIELDS` ClassVar: `identity_dict` applies it at every level.
     LATER_FIELDS: ClassVar[frozenset[str]] = frozenset()
 
     def to_json(self) -> str:
@@ -319,12 +321,23 @@ class _Requests:
     page_size: int
     quant: Quant
     seed: int
+    layout: Layout
 
     def _check_decode(self) -> None:
         _check_common(self.num_heads, self.seed)
         _check_page_size(self.page_size)
         _check_requests(self.requests)
         _check_pool_quant(self.quant)
+        problem = layouts.get(self.layout).page_size_problem(self.page_size, self.quant.kv)
+        if problem:
+            raise ValueError(problem)
+
+    @property
+    def _page_slug(self) -> str:
+        """p16, or p16vec for another layout: linear keeps the slug it had before decode
+        cases had a layout (ids are pinned)."""
+        tag = "" if self.layout == layouts.LINEAR.name else layouts.get(self.layout).tag
+        return f"p{self.page_size}{tag}"
 
     @property
     def total_q(self) -> int:
@@ -364,6 +377,10 @@ class DecodeCase(_Requests, _CaseBase):
     profile: Profile = "realistic"
     dims: MLADims = DEEPSEEK_V3
     seed: int = 0
+    # How the latent pool's pages are stored (mlacheck.layouts; "latent" pages take the
+    # V flavour of a vectorized layout). Added after the first schema: a later field.
+    layout: Layout = layouts.LINEAR.name
+    LATER_FIELDS: ClassVar[frozenset[str]] = frozenset({"layout"})
 
     def __post_init__(self) -> None:
         self._check_decode()
@@ -373,7 +390,7 @@ class DecodeCase(_Requests, _CaseBase):
         parts = [
             *self._batch_slug("dec"),
             f"h{self.num_heads}",
-            f"p{self.page_size}",
+            self._page_slug,
             self.quant.slug,
             self.placement.slug,
             "stress" if self.profile == "stress" else "",
@@ -402,6 +419,8 @@ class SparseDecodeCase(_Requests, _CaseBase):
     profile: Profile = "realistic"
     dims: MLADims = DEEPSEEK_V3
     seed: int = 0
+    layout: Layout = layouts.LINEAR.name  # as DecodeCase.layout
+    LATER_FIELDS: ClassVar[frozenset[str]] = frozenset({"layout"})
 
     def __post_init__(self) -> None:
         self._check_decode()
@@ -417,7 +436,7 @@ class SparseDecodeCase(_Requests, _CaseBase):
             f"top{self.topk}",
             f"cap{self.valid_cap}" if self.valid_cap is not None else "",
             f"h{self.num_heads}",
-            f"p{self.page_size}",
+            self._page_slug,
             self.quant.slug,
             self.placement.slug,
         ]
@@ -468,12 +487,31 @@ def case_to_dict(case: Case) -> dict[str, Any]:
 
 
 def identity_dict(case: Case) -> dict[str, Any]:
-    """case_to_dict without the later fields that still hold their defaults."""
-    d = case_to_dict(case)
-    for f in dataclasses.fields(case):
-        if f.name in case.LATER_FIELDS and getattr(case, f.name) == _default_of(f):
-            del d[f.name]
+    """case_to_dict without the later fields that still hold their defaults, at every level:
+    a defaulted field added to a nested type (Quant, Placement, Request...) must not change
+    existing ids and seeds either."""
+    d = _identity(case)
+    d["kind"] = case.kind
     return d
+
+
+def _identity(value: Any) -> Any:
+    """`dataclasses.asdict` (the same JSON) without each type's later fields at defaults."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        later = later_fields(type(value))
+        return {f.name: _identity(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if not (f.name in later and getattr(value, f.name) == _default_of(f))}
+    if isinstance(value, list | tuple):
+        return [_identity(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _identity(v) for k, v in value.items()}
+    return value
+
+
+def later_fields(cls: type) -> frozenset[str]:
+    """The later fields of a case type and of every class it derives from: a subclass that
+    names its own cannot drop a parent's (that would put it back into every id)."""
+    return frozenset().union(*(vars(c).get("LATER_FIELDS", ()) for c in cls.__mro__))
 
 
 def _default_of(f: dataclasses.Field[Any]) -> Any:

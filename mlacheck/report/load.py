@@ -22,6 +22,7 @@ class Loaded:
     verdicts: list[Verdict] = field(default_factory=list)  # one per (backend, case): the latest
     bad_lines: list[int] = field(default_factory=list)  # 1-based numbers of unparsable lines
     expected: int = 0  # items the run header(s) said would run (0: no header, unknown)
+    missing: int = 0  # of those, the items without a verdict line
     superseded: int = 0  # verdict lines replaced by a later line for the same item
 
     @property
@@ -62,7 +63,8 @@ def read_results(path: str | Path) -> Loaded:
     """The verdicts of a results file (the latest per backend x case: an `--append` of the
     same items counts once), the numbers of the lines skipped, and what the run expected."""
     raw = read_raw(path)
-    out = Loaded(bad_lines=list(raw.bad_lines), expected=len(raw.expected))
+    out = Loaded(bad_lines=list(raw.bad_lines), expected=len(raw.expected),
+                 missing=len(raw.missing))
     latest = latest_per_item(raw.records)
     out.superseded = len(raw.records) - len(latest)
     for d in latest:

@@ -114,13 +114,19 @@ class Summary:
     duplicates: int = 0  # superseded verdict lines (the same case x backend written again)
     unparsable: int = 0  # lines of the results file that were skipped
     expected: int = 0  # items the run meant to run (0: unknown)
+    missing: int = 0  # of those, the items without a verdict (a set difference, not a count)
 
     @property
     def incomplete(self) -> bool:
-        return self.total < self.expected
+        return self.missing > 0
+
+    @property
+    def with_verdict(self) -> int:
+        """Expected items that have a verdict (verdicts of items no header named not counted)."""
+        return self.expected - self.missing
 
     def incomplete_line(self) -> str:
-        return (f"INCOMPLETE: {self.total} of {self.expected} items have a verdict (the run "
+        return (f"INCOMPLETE: {self.with_verdict} of {self.expected} items have a verdict (the run "
                 "was interrupted or is still going; continue it with `mlacheck run --resume`)")
 
     @property
@@ -133,13 +139,14 @@ class Summary:
         parts = [f"{self.by_status[s]} {s}" for s in self.statuses]
         line = f"{self.total} case{_s(self.total)}: " + ", ".join(parts)
         if self.incomplete:
-            line = f"INCOMPLETE ({self.total} of {self.expected} items): " + line
+            line = f"INCOMPLETE ({self.with_verdict} of {self.expected} items): " + line
         if self.unparsable:
             line += f" ({self.unparsable} unparsable line{_s(self.unparsable)} skipped)"
         return line
 
 
 def summarise(verdicts: list[Verdict], unparsable: int = 0, *, expected: int = 0,
+              missing: int | None = None,
               superseded: int = 0) -> Summary:
     """Everything the markdown and HTML reports show, from the verdicts (one per item) and
     what the run header said it would run."""
@@ -161,6 +168,8 @@ def summarise(verdicts: list[Verdict], unparsable: int = 0, *, expected: int = 0
             n - 1 for n in Counter((v.case_id, v.backend) for v in verdicts).values()),
         unparsable=unparsable,
         expected=expected,
+        # callers that know only counts (no item keys): the shortfall
+        missing=max(0, expected - len(verdicts)) if missing is None else missing,
     )
 
 

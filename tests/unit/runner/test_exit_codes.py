@@ -7,8 +7,10 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,9 +122,17 @@ def test_coverage_policy_options() -> None:
 
 
 def test_an_incomplete_run_is_not_a_pass() -> None:
-    got = decide(items(PASS, PASS), expected=5)
+    expected = {("b", f"c{i}") for i in range(5)}
+    got = decide(items(PASS, PASS), expected=expected)
     assert got.code == outcome.EXIT_NOT_ENOUGH_RAN and got.incomplete
     assert got.lines == ["INCOMPLETE: 2 of 5 items have a verdict"]
+    # missing is a set difference: verdicts of items no header named stand in for nothing
+    others = [dataclasses.replace(it, case_id=f"other{i}") for i, it in
+              enumerate(items(PASS, PASS, PASS, PASS, PASS))]
+    got = decide(others, expected=expected)
+    assert got.code == outcome.EXIT_NOT_ENOUGH_RAN
+    assert got.lines == ["INCOMPLETE: 0 of 5 items have a verdict"]
+    assert decide(items(PASS, PASS), expected={("b", "c0"), ("b", "c1")}).code == outcome.EXIT_OK
 
 
 # --------------------------------------------------------------------------- mlacheck run
@@ -149,6 +159,12 @@ def test_backend_that_cannot_run_anything_and_empty_selection(tiny: Path, tmp_pa
     r = run("run", "-b", "torch", "--matrix", str(tiny), "--results", str(tmp_path / "k.jsonl"),
             "--no-report", "-k", "nosuchcase")
     assert r.returncode == outcome.EXIT_NOTHING_COLLECTED, r.stdout[-2000:]
+    # one line of mlacheck's saying what left nothing, not only pytest's "no tests ran"
+    assert ("mlacheck gate: exit 5 (nothing selected to run): matrix tiny: 2 case(s) x 1 "
+            "backend(s) = 2 item(s); all 2 deselected by -k 'nosuchcase'") in r.stdout
+    r = pytest_suite("--mla-backend", "torch", "--mla-matrix", str(tiny), "-m", "large_kv")
+    assert r.returncode == outcome.EXIT_NOTHING_COLLECTED, r.stdout[-2000:]
+    assert "all 2 deselected by -m 'large_kv'" in r.stdout
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -224,6 +240,128 @@ def test_interrupted_run_reads_incomplete_in_terminal_and_reports(tiny: Path, tm
     assert gate_outcome(res, ["torch"], CoveragePolicy()).code == outcome.EXIT_NOT_ENOUGH_RAN
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_run_exits_6_and_says_incomplete(
+        sig: signal.Signals, tiny: Path, tmp_path: Path) -> None:
+    """Ctrl-C said "exit 2 (usage or environment error)" and exited 6; SIGTERM (a CI time
+    limit) gave 143 and printed nothing. Both: exit 6, INCOMPLETE in the terminal and report."""
+    res = tmp_path / "r.jsonl"
+    env = {**clean_env(), "PYTHONPATH": str(FIXTURES), "HANG_S": "120"}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "mlacheck.cli", "run", "-b", "bad_backends:hang_after_first",
+         "--matrix", str(tiny), "--results", str(res), "-n", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        # a shell's background job ignores SIGINT; a terminal's Ctrl-C does not
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 200
+        while '"case_id"' not in (res.read_text() if res.exists() else ""):
+            assert p.poll() is None and time.monotonic() < deadline, "no first verdict"
+            time.sleep(0.2)
+        time.sleep(1)  # the worker is inside the second item now
+        p.send_signal(sig)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == outcome.EXIT_NOT_ENOUGH_RAN, out[-3000:]
+    assert "mlacheck gate: exit 6 (not enough ran" in out, out[-3000:]
+    assert "INCOMPLETE: 1 of 2 items have a verdict" in out
+    assert "INCOMPLETE: the run was interrupted" in out
+    assert "INCOMPLETE: 1 of 2 items" in (tmp_path / "report.md").read_text()
+    assert "INCOMPLETE: 1 of 2 items" in (tmp_path / "report.html").read_text()
+
+
+def test_a_bad_k_or_m_expression_is_a_usage_error(tiny: Path, tmp_path: Path) -> None:
+    """Under xdist it was an INTERNALERROR and exit 3, the suite-error code."""
+    for flag, expr in (("-k", "not ("), ("-m", "large_kv and")):
+        r = run("run", "-b", "torch", "--matrix", str(tiny), "--results",
+                str(tmp_path / "r.jsonl"), flag, expr)
+        assert r.returncode == outcome.EXIT_USAGE, r.stdout[-2000:] + r.stderr[-2000:]
+        assert f"{flag} {expr!r} is not a valid expression" in one_line_error(r)
+    r = pytest_suite("--mla-backend", "torch", "--mla-matrix", str(tiny), "-n", "2", "-k", "not (")
+    assert r.returncode == outcome.EXIT_PYTEST_USAGE and "INTERNALERROR" not in r.stdout + r.stderr
+
+
+def test_an_internal_error_of_the_driver_is_not_a_suite_error(tiny: Path, tmp_path: Path) -> None:
+    """pytest's INTERNALERROR (3) is no verdict on a case: exit 7, never the gate's 3."""
+    r = run("run", "-b", "torch", "--matrix", str(tiny), "--results", str(tmp_path / "r.jsonl"),
+            "--no-report", "--", "-p", "broken_hook")
+    assert r.returncode == outcome.EXIT_INTERNAL_ERROR, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "broken_hook: a driver bug" in r.stdout + r.stderr
+    env = {**clean_env(), "PYTHONPATH": str(FIXTURES)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                        "broken_hook", "--pyargs", "mlacheck.suite", "--mla-backend", "torch",
+                        "--mla-matrix", str(tiny)], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode == outcome.EXIT_INTERNAL_ERROR, r.stdout[-2000:]
+    from mlacheck.cli import _exit_code
+
+    assert _exit_code(3, session_ended=False) == outcome.EXIT_INTERNAL_ERROR  # before the plugin
+    assert _exit_code(3) == outcome.EXIT_SUITE_ERROR  # the gate's own 3
+
+
+def test_append_under_another_spelling_of_a_backend_is_one_item(tiny: Path, tmp_path: Path) -> None:
+    """The header keyed items by the backend as requested, the verdicts by its name: a run
+    by import path then `--append -b torch` read "INCOMPLETE: 2 of 4" (exit 6)."""
+    res = tmp_path / "r.jsonl"
+    for spec in ("mlacheck.backends.torch_ref:factory", "torch"):
+        r = run("run", "-b", spec, "--matrix", str(tiny), "--results", str(res), "--append")
+        assert r.returncode == outcome.EXIT_OK, r.stdout[-2000:]
+    assert "INCOMPLETE" not in (tmp_path / "report.md").read_text()
+    # two spellings in one run: run once
+    r = run("run", "-b", "torch", "-b", "mlacheck.backends.torch_ref:factory", "--matrix",
+            str(tiny), "--results", str(tmp_path / "two.jsonl"), "--no-report")
+    assert r.returncode == outcome.EXIT_OK and "x backends torch on" in r.stdout, r.stdout[-2000:]
+    recs = [x for x in map(json.loads, (tmp_path / "two.jsonl").read_text().splitlines())
+            if "case_id" in x]
+    assert len(recs) == 2
+
+
+def _header(*expected: tuple[str, str], schema: int = 2) -> str:
+    from mlacheck.results import HEADER_KEY
+
+    return json.dumps({HEADER_KEY: schema, "run": {"expected": [list(k) for k in expected]}})
+
+
+def _verdict(backend: str, case_id: str, spec: str = "") -> str:
+    return json.dumps({"backend": backend, "backend_spec": spec or backend, "case_id": case_id,
+                       "op": "mla_decode", "status": PASS, "checks": [], "where": []})
+
+
+def test_verdicts_outside_the_header_do_not_hide_missing_items(tmp_path: Path) -> None:
+    """None of the 3 expected items had a verdict, 3 others did: exit 0 before."""
+    from mlacheck.pytest_plugin import gate_outcome
+    from mlacheck.report.load import read_results
+
+    res = tmp_path / "r.jsonl"
+    lines = [_header(("torch", "a"), ("torch", "b"), ("torch", "c")),
+             *(_verdict("torch", c) for c in "xyz")]
+    res.write_text("\n".join(lines) + "\n")
+    got = gate_outcome(res, ["torch"], CoveragePolicy())
+    assert got.code == outcome.EXIT_NOT_ENOUGH_RAN
+    assert "INCOMPLETE: 0 of 3 items have a verdict" in got.lines
+    assert read_results(res).missing == 3
+    # a header of the first schema named backends as requested: its verdicts say the name
+    res.write_text(_header(("pkg.mod:factory", "a"), schema=1) + "\n"
+                   + _verdict("torch", "a", spec="pkg.mod:factory") + "\n")
+    assert gate_outcome(res, ["torch"], CoveragePolicy()).code == outcome.EXIT_OK
+
+
+def test_append_refuses_a_foreign_file_and_objects_without_a_case_are_no_items(
+        tiny: Path, tmp_path: Path) -> None:
+    from mlacheck.results import read_raw
+
+    res = tmp_path / "r.jsonl"
+    res.write_text('{"hello": 1}\n')
+    r = run("run", "-b", "torch", "--matrix", str(tiny), "--results", str(res), "--append",
+            "--no-report")
+    assert r.returncode == outcome.EXIT_USAGE
+    assert "refusing to --append it" in one_line_error(r)
+    res.write_text(_header(("torch", "a")) + '\n{"hello": 1}\n' + _verdict("torch", "a") + "\n")
+    raw = read_raw(res)
+    assert [r["case_id"] for r in raw.records] == ["a"] and raw.bad_lines == [2]
+
+
 # --------------------------------------------------------------------------- plain pytest
 
 
@@ -284,3 +422,51 @@ def test_adding_a_defaulted_field_keeps_ids_and_data() -> None:
     assert DecodeCaseV2(requests=(Request(1, 300),), new_knob=3).id != pinned
     assert json.loads(new.to_json())["new_knob"] == 0
     assert case_from_json(old.to_json()).id == pinned
+
+
+def _with_new_field(cls: type) -> type:
+    """`cls` as a later schema would have it: one more field, defaulted, declared later."""
+    return dataclasses.make_dataclass(f"{cls.__name__}V2", [("new_knob", int, 0)], bases=(cls,),
+                                      frozen=True,
+                                      namespace={"LATER_FIELDS": frozenset({"new_knob"})})
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def test_adding_a_defaulted_field_to_a_nested_type_keeps_ids_and_data() -> None:
+    """The same holds one level down: a field added to Placement, Quant, Paging, MLADims,
+    Segment or Request keeps the pinned ids (test_case_ids_are_stable's), the seeds and the
+    input bytes of every existing case."""
+    from mlacheck.spec import DEEPSEEK_V3, MLADims, Paging, Placement, Quant
+
+    placement2, quant2, paging2, dims2, segment2, request2 = map(_with_new_field, (
+        Placement, Quant, Paging, MLADims, Segment, Request))
+    fp8 = ("fp8_e4m3fnuz", "fp8_e4m3fnuz", "unit")
+    high = {"kind": "high", "offset_bytes": 2**31, "tail_poison": "sentinel"}
+
+    def prefill(seg: type, quant: type, paging: type, placement: type, dims: object):  # noqa: ANN202
+        return PrefillCase(segments=(seg(32, 100), seg(7)), num_heads=8, quant=quant(*fp8),
+                           paging=paging(64, "vectorized"), placement=placement(**high),
+                           dims=dims)
+
+    pf_old = prefill(Segment, Quant, Paging, Placement, DEEPSEEK_V3)
+    pf_new = prefill(segment2, quant2, paging2, placement2, dims2())
+    pinned_pf = "pf-s2-q39-ctx100-h8-e4m3fnuz-unit-causal-p64vec-high31-sentinel-4fafd194"
+    assert pf_old.id == pf_new.id == pinned_pf
+    dec_old = DecodeCase(requests=(Request(1, 100),), num_heads=4)
+    dec_new = DecodeCase(requests=(request2(1, 100),), num_heads=4, placement=placement2(),
+                         quant=quant2(), dims=dims2())
+    assert dec_old.id == dec_new.id == "dec-b1-kv100-h4-p16-bf16-shuffled-7be7dff0"
+    assert dec_new.seed_material == 558021938110956826
+    assert pf_old.seed_material == pf_new.seed_material
+    a, b = inputs.build(pf_old), inputs.build(pf_new)
+    for x, y in ((a.q, b.q), (a.k, b.k), (a.v, b.v)):
+        assert torch.equal(_bits(x.stored), _bits(y.stored))
+    a, b = inputs.build(dec_old), inputs.build(dec_new)
+    assert torch.equal(_bits(a.q.stored), _bits(b.q.stored))
+    assert torch.equal(_bits(a.pool.data), _bits(b.pool.data))
+    # set to anything else, the nested field is part of the identity
+    assert dataclasses.replace(dec_new, placement=placement2(new_knob=1)).id != dec_new.id
+    assert DecodeCase(requests=(request2(1, 100, 1),), num_heads=4).id != dec_old.id
