@@ -11,27 +11,52 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
 
 from mlacheck.errors import OneLineParser, UsageError
 from mlacheck.outcome import (
+    EXIT_INTERNAL_ERROR,
     EXIT_KERNEL_FAILURE,
     EXIT_NOT_ENOUGH_RAN,
     EXIT_NOTHING_COLLECTED,
     EXIT_OK,
     EXIT_USAGE,
+    exit_meaning,
 )
 
 DEFAULT_RESULTS = "mlacheck-out/results.jsonl"
 # pytest's exit code -> mlacheck run's (README "Exit codes"): pytest's usage error is ours
 # (2); an interrupted run did not run everything (6); the rest is already the gate's code.
-PYTEST_INTERRUPTED, PYTEST_USAGE = 2, 4
+PYTEST_INTERRUPTED, PYTEST_INTERNAL_ERROR, PYTEST_USAGE = 2, 3, 4
 
 
-def _exit_code(pytest_code: int) -> int:
+def _exit_code(pytest_code: int, session_ended: bool = True) -> int:
+    """`session_ended`: pytest reached its session end, where the plugin sets the gate's code
+    (its 3 is a suite error, and it turns pytest's INTERNALERROR into 7); before that, a 3 is
+    pytest's own internal error."""
+    if pytest_code == PYTEST_INTERNAL_ERROR and not session_ended:
+        return EXIT_INTERNAL_ERROR
     return {PYTEST_INTERRUPTED: EXIT_NOT_ENOUGH_RAN, PYTEST_USAGE: EXIT_USAGE}.get(pytest_code,
                                                                                  pytest_code)
+
+
+class _SessionEnd:
+    """A pytest plugin that notes whether the session reached its end (see _exit_code)."""
+
+    reached = False
+
+    def pytest_sessionfinish(self) -> None:
+        self.reached = True
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM (a CI time limit, `timeout`) ends the run as Ctrl-C does: pytest stops, the
+    gate says INCOMPLETE (exit 6) and the report is written, instead of a silent 143."""
+    signal.signal(signum, signal.SIG_DFL)  # a second one kills
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
 def _die(msg: str) -> int:
@@ -61,12 +86,16 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     from mlacheck import results as results_file
     from mlacheck.backends.registry import DEFAULT_BACKENDS, resolve
     from mlacheck.matrices import load
-    from mlacheck.preflight import check_output_file, resolve_device
-    from mlacheck.pytest_plugin import split_backends
+    from mlacheck.preflight import check_expression, check_output_file, resolve_device
+    from mlacheck.pytest_plugin import distinct_backends, split_backends
     from mlacheck.spec import OPS
 
-    backends = split_backends(args.backend) or list(DEFAULT_BACKENDS)
-    names = [resolve(b).name for b in backends]  # validate before pytest starts: exit 2
+    specs = split_backends(args.backend) or list(DEFAULT_BACKENDS)
+    name_of = {b: resolve(b).name for b in specs}  # validate before pytest starts: exit 2
+    backends = distinct_backends(specs, name_of.__getitem__)  # one spelling per backend
+    names = [name_of[b] for b in backends]
+    check_expression("-k", args.k)  # under xdist a bad one was an INTERNALERROR
+    check_expression("-m", args.m)
     device = resolve_device(args.device)
     matrix = load(args.matrix, args.seed)
     for op in _ops(args.require_ops):
@@ -85,7 +114,9 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         leave_out = results.with_name(f".{results.name}.done")
         leave_out.write_text("".join(f"{b}\t{c}\n" for b, c in sorted(done)))
         print(f"mlacheck: resuming {results}: {len(done)} item(s) already recorded", flush=True)
-    elif results.exists() and not args.append:
+    elif args.append:
+        results_file.check_resumable(results, "--append")
+    elif results.exists():
         results.unlink()
     workers = args.workers if args.workers is not None else _default_workers(device)
     argv = [
@@ -123,11 +154,20 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     import pytest
 
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    code = _exit_code(int(pytest.main(argv)))
+    end = _SessionEnd()
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        raw = int(pytest.main(argv, plugins=[end]))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    code = _exit_code(raw, end.reached)
+    if raw == PYTEST_INTERRUPTED:  # the plugin turns it into the gate's code once items ran
+        print(f"mlacheck gate: exit {code} ({exit_meaning(code)})\n"
+              "  INCOMPLETE: the run was interrupted before any item was selected")
     if code in (EXIT_OK, EXIT_KERNEL_FAILURE, EXIT_NOTHING_COLLECTED) and _has_verdicts(results):
         # the gate reads the whole file: lines from before a --resume count too, also when
         # nothing was left to run
-        from mlacheck.outcome import CoveragePolicy, exit_meaning
+        from mlacheck.outcome import CoveragePolicy
         from mlacheck.pytest_plugin import gate_outcome
 
         outcome = gate_outcome(results, names, CoveragePolicy(
@@ -410,7 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--junit", default=None, help="write JUnit XML here")
     r.add_argument("-k", default=None, help="pytest -k expression")
     r.add_argument("-m", default=None, help="pytest -m marker expression")
-    r.add_argument("--no-report", dest="report", action="store_false")
+    r.add_argument("--no-report", dest="report", action="store_false",
+                   help="write no report.md / report.html next to the results file "
+                        "(default: write them)")
     r.add_argument("--require-ops", default="",
                    help="comma-separated ops every backend must execute at least one case of "
                         "(e.g. mla_prefill,mla_decode); otherwise exit 6")
@@ -426,14 +468,24 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--faults", action="store_true",
                     help="list the planted faults (fault:<name>) and their mechanisms")
 
-    rp = sub.add_parser("replay", help="re-run exactly one case and print the full verdict")
-    rp.add_argument("case", help="case id, case.json, or JSON text")
-    rp.add_argument("--backend", "-b", default=None)
-    rp.add_argument("--device", default="auto")
-    rp.add_argument("--golden", default="fp32", choices=("fp32", "fp64"))
+    rp = sub.add_parser("replay", help="re-run exactly one case and print the full verdict",
+                        description="Re-run one case (by id, from a case.json, or from the "
+                                    "`case` field of a results line) against backends and "
+                                    "print each verdict in full: checks, locations, metrics. "
+                                    "Exit 1 when a backend FAILs or CRASHes.")
+    rp.add_argument("case", help="case id (e.g. from a failure card), case.json, or JSON text")
+    rp.add_argument("--backend", "-b", default=None,
+                    help="backend name, entry point or pkg.module:factory; comma-separated "
+                         "for several (default: the embedded aiter-model-gfx942,"
+                         "aiter-model-gfx950)")
+    rp.add_argument("--device", default="auto",
+                    help="cpu, cuda, cuda:N, or auto (cuda when torch sees a GPU; default)")
+    rp.add_argument("--golden", default="fp32", choices=("fp32", "fp64"),
+                    help="precision of the reference (default fp32; fp64 is slower)")
 
     sub.add_parser("report", help="markdown + HTML report from results.jsonl", add_help=False)
-    sub.add_parser("gate", help="end-to-end accuracy gates (gsm8k)", add_help=False)
+    sub.add_parser("gate", help="end-to-end accuracy gates: gate TASK run|compare|promote "
+                                "(lm-eval tasks, gsm8k first)", add_help=False)
     sub.add_parser("selftest", help="prove the suite catches every known bug class", add_help=False)
     return p
 

@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
-from mlacheck import admission, footprint, golden, judge, known, probes
+from mlacheck import admission, footprint, golden, judge, probes
 from mlacheck import inputs as inputs_mod
 from mlacheck.backends.base import Backend, Output, skip_reason
 from mlacheck.backends.torch_ref import TorchBackend
+from mlacheck.report import heatmap
 from mlacheck.spec import Case
-from mlacheck.verdict import CRASH, ERROR, FAIL, PASS, SKIP, Verdict
+from mlacheck.verdict import CRASH, ERROR, FAIL, SKIP, Verdict
 
 BASELINE = TorchBackend(name="baseline")
 
@@ -57,11 +58,7 @@ class RunOptions:
 
 
 def run_case(case: Case, backend: Backend, opts: RunOptions = RunOptions()) -> Verdict:
-    v = _run(case, backend, opts)
-    rule = known.lookup(backend.name, case) if v.status in (PASS, FAIL, CRASH) else None
-    if rule is not None:  # KNOWN when it fails, XPASS when it passes (see mlacheck.known)
-        v.known_failure, v.known_rule = rule.finding, rule.name
-    return v
+    return judge.with_known_label(_run(case, backend, opts), case)
 
 
 def _run(case: Case, backend: Backend, opts: RunOptions) -> Verdict:
@@ -78,8 +75,10 @@ def _run(case: Case, backend: Backend, opts: RunOptions) -> Verdict:
         return _suite_error(base, "waiting for device memory", e)
     except Exception as e:
         return _suite_error(base, "building the inputs", e)
+    waited, data.wait_s = data.wait_s, 0.0  # reported once, by the item that waited
     try:
-        return _run_admitted(case, backend, opts, base, data, time.perf_counter() - clock)
+        return _run_admitted(case, backend, opts, base, data,
+                             time.perf_counter() - clock - waited, waited)
     finally:
         if not opts.share:
             data.hold.close()
@@ -96,6 +95,7 @@ class _CaseData:
     fingerprint: list[int]
     hold: contextlib.ExitStack
     refs: tuple[Output, Output | None, Output] | None = None  # exact, ideal, baseline
+    wait_s: float = 0.0  # time spent waiting for room on the device before the build
 
 
 _SHARED: list[_CaseData] = []  # at most one: the case this process ran last
@@ -114,12 +114,14 @@ def _case_data(case: Case, opts: RunOptions) -> _CaseData:
     release_shared()
     hold = contextlib.ExitStack()
     try:
+        clock = time.perf_counter()
         hold.enter_context(admission.reserved(case, opts.device, opts.memory_wait_s))
+        wait_s = time.perf_counter() - clock
         if _on_gpu(opts.device):
             torch.cuda.reset_peak_memory_stats(opts.device)
         inp = inputs_mod.build(case, opts.device)
         kept = inputs_mod.fingerprint(inp) if opts.share else []
-        data = _CaseData(key, inp, inp.out.full.clone(), kept, hold)
+        data = _CaseData(key, inp, inp.out.full.clone(), kept, hold, wait_s=wait_s)
         _sync(opts.device)
     except BaseException:
         hold.close()
@@ -136,8 +138,10 @@ def release_shared() -> None:
 
 
 def _run_admitted(case: Case, backend: Backend, opts: RunOptions, base: Verdict,
-                  data: _CaseData, inputs_s: float) -> Verdict:
+                  data: _CaseData, inputs_s: float, wait_s: float) -> Verdict:
     t: dict[str, float] = {"inputs": inputs_s}
+    if wait_s:
+        t["admission_wait"] = wait_s
     inp = data.inp
     clock = time.perf_counter()
     try:
@@ -172,10 +176,14 @@ def _run_admitted(case: Case, backend: Backend, opts: RunOptions, base: Verdict,
     repeats = _repeat(case, backend, opts) if opts.repeat > 1 else None
     if repeats is not None:
         t["determinism"], clock = time.perf_counter() - clock, time.perf_counter()
-    v = judge.verdict(case, inp, out, gold, baseline, ideal, backend.name, repeats)
-    v.implementation = {**base.implementation, **_reported(out.metadata)}
+    v = judge.verdict(case, inp, out, gold, baseline, ideal, backend.name, repeats,
+                      implementation=base.implementation)
     if v.status == FAIL and v.metrics.get("axis") in judge.PROBED_AXES:
-        judge.refine_diagnosis(v, inp, gold, _probe(case, backend, inp, opts))
+        judge.refine_diagnosis(v, inp, gold, _probe(case, backend, inp, opts,
+                                                    v.metrics["axis"] in judge.ALONE_AXES))
+    if v.status == FAIL and tuple(out.out.shape) == tuple(gold.out.shape):  # for the report
+        v.metrics.update(heatmap.metrics(judge.row_errors(out.out.detach().cpu(),
+                                                          gold.out.detach().cpu())))
     t["judge"] = time.perf_counter() - clock
     v.timings = t
     if _on_gpu(opts.device):  # what the case really took, against what admission reserved
@@ -197,38 +205,13 @@ def _version_record(backend: Backend) -> dict[str, Any]:
     return record
 
 
-# Metadata entries the judge consumes, not a description of the implementation.
-_JUDGED_METADATA = ("validation", "validation_note")
-
-
-def _reported(metadata: dict[str, Any]) -> dict[str, Any]:
-    """The JSON-sized part of what a backend returned about its run: scalars, short lists
-    and dicts of them (tensors and schedule dumps are left out of the results file)."""
-
-    def small(x: Any, depth: int = 0) -> Any:
-        if x is None or isinstance(x, str | int | float | bool):
-            return x
-        if isinstance(x, list | tuple) and len(x) <= 16:
-            kept = [small(i, depth + 1) for i in x]
-            return kept if all(k is not _DROP for k in kept) else _DROP
-        if isinstance(x, dict) and depth < 3:
-            kept = {str(k): small(i, depth + 1) for k, i in x.items()}
-            return {k: i for k, i in kept.items() if i is not _DROP}
-        return _DROP
-
-    return {k: x for k, x in ((k, small(x)) for k, x in metadata.items()
-                              if k not in _JUDGED_METADATA) if x is not _DROP}
-
-
-_DROP = object()
-
-
-def _probe(case: Case, backend: Backend, inp: inputs_mod.Inputs, opts: RunOptions
-           ) -> judge.Probes:
-    """Re-run the kernel on the same data arranged otherwise (mlacheck.probes); a probe the
-    kernel refuses or crashes on says nothing and is left out."""
+def _probe(case: Case, backend: Backend, inp: inputs_mod.Inputs, opts: RunOptions,
+           alone: bool = True) -> judge.Probes:
+    """Re-run the kernel on the same data arranged otherwise (mlacheck.probes): units alone
+    (when `alone`), pages relocated; a probe the kernel refuses or crashes on says nothing
+    and is left out."""
     found = judge.Probes()
-    if probes.units_worth_isolating(case):
+    if alone and probes.units_worth_isolating(case):
         cuts = judge.request_bounds(inp)
         with_rows = [u for u in range(len(cuts) - 1) if cuts[u + 1] > cuts[u]]
         for u in with_rows[: probes.MAX_UNITS_ALONE]:

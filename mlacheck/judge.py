@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from mlacheck import fp8
+from mlacheck import fp8, known
 from mlacheck import tolerances as tol
 from mlacheck.backends.base import Output
 from mlacheck.golden.core import Result
@@ -22,8 +23,6 @@ from mlacheck.inputs import Inputs, PrefillInputs
 from mlacheck.kvcache import byte_region
 from mlacheck.localise import (
     diagnose,
-    heatmap,
-    heatmap_block,
     localise,
     pool_of,
     request_bounds,
@@ -32,7 +31,7 @@ from mlacheck.localise import (
     units_phrase,
 )
 from mlacheck.spec import Case, PrefillCase
-from mlacheck.verdict import FAIL, PASS, Check, Verdict, Where, ranges
+from mlacheck.verdict import CRASH, FAIL, PASS, Check, Verdict, Where, ranges
 
 # --------------------------------------------------------------------------- metrics
 
@@ -69,10 +68,13 @@ def verdict(
     ideal: Result | None = None,
     backend: str = "",
     repeats: Repeats | None = None,
+    implementation: Mapping[str, Any] | None = None,
 ) -> Verdict:
     """Judge one case: the kernel's output against the golden, bounded by the baseline; its
-    own schedule metadata (when the backend validated one) and, with `repeats`, determinism."""
-    v = Verdict(case.id, backend, case.op, PASS, case=json.loads(case.to_json()))
+    own schedule metadata (when the backend validated one) and, with `repeats`, determinism.
+    `implementation`: what ran (versions), completed with what the backend reported."""
+    v = Verdict(case.id, backend, case.op, PASS, case=json.loads(case.to_json()),
+                implementation=implementation_record(implementation or {}, output.metadata))
     _judge_numerics(v, case, inputs, output, gold, baseline, ideal)
     problems = output.metadata.get("validation")
     if problems:  # the backend's own schedule (e.g. AITER persistent metadata) is wrong
@@ -86,6 +88,42 @@ def verdict(
     return v
 
 
+def with_known_label(v: Verdict, case: Case) -> Verdict:
+    """Label a verdict about the kernel (PASS / FAIL / CRASH) with the documented finding
+    (mlacheck.known) that matches its backend and case: KNOWN when it fails, XPASS when it
+    passes. SKIP and ERROR say nothing about the kernel and are never labelled."""
+    rule = known.lookup(v.backend, case) if v.status in (PASS, FAIL, CRASH) else None
+    if rule is not None:
+        v.known_failure, v.known_rule = rule.finding, rule.name
+    return v
+
+
+# Output.metadata entries that are the judge's inputs, not a description of the implementation.
+_JUDGED_METADATA = ("validation", "validation_note")
+_DROP = object()
+
+
+def implementation_record(ran: Mapping[str, Any], metadata: Mapping[str, Any]
+                          ) -> dict[str, Any]:
+    """`ran` (versions) plus the JSON-sized part of what the backend reported about its run:
+    scalars, short lists and dicts of them (tensors and schedule dumps stay out of results)."""
+
+    def small(x: Any, depth: int = 0) -> Any:
+        if x is None or isinstance(x, str | int | float | bool):
+            return x
+        if isinstance(x, list | tuple) and len(x) <= 16:
+            kept = [small(i, depth + 1) for i in x]
+            return kept if all(k is not _DROP for k in kept) else _DROP
+        if isinstance(x, dict) and depth < 3:
+            kept = {str(k): small(i, depth + 1) for k, i in x.items()}
+            return {k: i for k, i in kept.items() if i is not _DROP}
+        return _DROP
+
+    reported = {k: x for k, x in ((k, small(x)) for k, x in metadata.items()
+                                  if k not in _JUDGED_METADATA) if x is not _DROP}
+    return {**ran, **reported}
+
+
 # LSE returned in base 2 is the natural-log LSE times 1/ln 2.
 BASE2_LSE_RATIO = 1.0 / math.log(2.0)
 # Golden LSEs this close to 0 are left out of the ratio (it would be meaningless there).
@@ -94,12 +132,18 @@ LSE_RATIO_MIN = 1e-3
 
 def _diagnose_checks(v: Verdict) -> None:
     """Failures whose axis is a check rather than a row pattern come first on the card: the
-    schedule (metadata), the LSE alone, guard rows, repeated runs."""
+    schedule (metadata), the LSE alone, guard rows, repeated runs. A proven KV explanation
+    (the golden re-run on other KV positions reproduces the output) stays first, the schedule
+    problem after it: a wrong kv length shows in both, and the KV words say what was read."""
     failed = {c.name for c in v.failed_checks}
     if "metadata" in failed:
         detail = next(c.detail for c in v.failed_checks if c.name == "metadata")
+        schedule = f"schedule: {detail.split('; ')[0]}"
+        if v.metrics.get("axis") == "kv":
+            v.diagnosis = f"{v.diagnosis}; {schedule}"
+            return
         rows = f"; rows: {v.diagnosis}" if v.diagnosis else ""
-        v.diagnosis, v.metrics["axis"] = f"schedule: {detail.split('; ')[0]}{rows}", "schedule"
+        v.diagnosis, v.metrics["axis"] = f"{schedule}{rows}", "schedule"
     elif failed == {"lse"}:
         ratio = v.metrics.get("lse_ratio")
         hint = (" (base 2 instead of natural log?)" if isinstance(ratio, float)
@@ -184,10 +228,12 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
         where += localise(inputs, mismatch, torch.full(mismatch.shape, float("inf")), 0.0, "nonfinite")
     finite = ~(k_bad | g_bad)
 
-    # Per-row error vs the exact golden, bounded by the baseline's worst row.
+    # Per-row error vs the exact golden, bounded by the baseline's worst row: over every row
+    # where the golden and the baseline are finite, whatever the kernel returned there (a
+    # kernel's NaN rows must not shrink the bound its other rows, and its probes, are held to).
     q_fmt, p_fmt = case.quant.q, tol.compute_format(case.quant.q, case.quant.kv)
     err = row_errors(out, g_out).masked_fill(~finite, 0.0)
-    b_err = row_errors(b_out, g_out).masked_fill(~finite | ~torch.isfinite(b_out).all(-1), 0.0)
+    b_err = row_errors(b_out, g_out).masked_fill(g_bad | ~torch.isfinite(b_out).all(-1), 0.0)
     base = float(b_err.max()) if b_err.numel() else 0.0
     floor = tol.row_floor(q_fmt)
     bound = min(tol.ROW_FACTOR * base + floor, tol.ROW_BUDGET[p_fmt])
@@ -245,9 +291,7 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
         top = max(pool.byte_range(r)[1] for r in range(pool.table.batch))
         v.metrics.update(pool_bytes=pool.nbytes, live_top_byte=top, live_region=byte_region(0, top))
     if any(not c.passed for c in checks):
-        v.metrics["heatmap"] = heatmap(err.masked_fill(~finite, float("inf")))
-        v.metrics["heatmap_block"] = heatmap_block(err.shape)
-        found_axis = diagnose(case, inputs, failing, err, out, bound, k_bad & ~g_bad)
+        found_axis = diagnose(case, inputs, failing, err, out, bound)
         if found_axis is not None:
             v.diagnosis, v.metrics["axis"] = found_axis.text, found_axis.axis
 
@@ -330,8 +374,12 @@ def _nonfinite_detail(k_bad: torch.Tensor, g_bad: torch.Tensor) -> str:
     return "; ".join(parts)
 
 
-# Diagnoses a probe can sharpen: whole requests / segments failing, or every row.
-PROBED_AXES = frozenset({"all", "requests", "segments"})
+# Diagnoses a probe can sharpen: whole requests / segments failing, or every row (each unit
+# run alone, and the pages relocated), and KV positions (the pages relocated: a KV position
+# explanation holds wherever the pages sit; when the same tokens on low pages pass, the
+# placement is the cause, e.g. a 32-bit offset wrap whose wrong pages hold NaN like a tail).
+ALONE_AXES = frozenset({"all", "requests", "segments"})
+PROBED_AXES = ALONE_AXES | {"kv"}
 
 
 @dataclass
@@ -361,20 +409,22 @@ def refine_diagnosis(v: Verdict, inputs: Inputs, gold: Result, probes: Probes) -
         assert pool is not None
         top = int(pool.table.indices.max())
         top_byte = (top + 1) * pool.page_bytes
-        v.diagnosis = (f"pages: the same tokens on pages 0..{pool.table.indices.numel() - 1} "
-                       f"pass, so page placement is mishandled (live page ids up to {top}"
+        v.diagnosis = (f"pool region / pages: the same tokens on pages "
+                       f"0..{pool.table.indices.numel() - 1} pass, so page placement is "
+                       f"mishandled (live page ids up to {top}"
                        f"{' (past 2^16)' if top >= 1 << 16 else ' (past 2^15)' if top >= 1 << 15 else ''}"
                        f", bytes up to {top_byte:#x}, {byte_region(0, top_byte)})")
         v.metrics["axis"] = "pool"
         return
     cuts = request_bounds(inputs)
     alone = {u: _passes(o, g[cuts[u] : cuts[u + 1]], bound) for u, o in probes.alone.items()}
-    if alone and all(alone.values()):
+    if alone and all(alone.values()) and v.metrics.get("axis") in ALONE_AXES:
         failing = [w.request for w in v.where]
         units = sorted(set(failing)) or sorted(alone)
         shared = shared_properties(case, inputs, units)
-        verb = "fails" if len(units) == 1 else "fail"
-        v.diagnosis = (f"{units_phrase(case, units)} {verb} in the batch but pass alone (probed "
+        fails, passes = ("fails", "passes") if len(units) == 1 else ("fail", "pass")
+        v.diagnosis = (f"{units_phrase(case, units)} {fails} in the batch but {passes} alone "
+                       f"(probed "
                        f"{ranges(sorted(alone))}): the batch indexing (offsets of {unit}s in "
                        f"qo_indptr / cu_seqlens / the page table) is wrong"
                        + (f"; the failing ones share {shared}" if shared else ""))

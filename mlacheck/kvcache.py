@@ -188,7 +188,7 @@ class KVPool:
     fmt: str
     scale: torch.Tensor
     table: PageTable
-    layout: str = "linear"
+    layout: str = layouts.LINEAR.name
     kind: str = "latent"  # latent | k | v (which vectorized flavour applies)
 
     @property
@@ -212,12 +212,15 @@ class KVPool:
         # copied once: a host-to-device copy per gather would wait for the device each time
         return self.table.indices.to(self.data.device)
 
-    def gather(self, r: int, dequant: bool = True) -> torch.Tensor:
-        """Request r's tokens [kv_len, H, D] read through the page table (fp32 if dequant)."""
+    def gather(self, r: int, dequant: bool = True, whole_pages: bool = False) -> torch.Tensor:
+        """Request r's tokens [kv_len, H, D] read through the page table (fp32 if dequant);
+        whole_pages: up to its last page's end, the (poisoned) tail included, as a kernel
+        that reads past kv_len sees them."""
         lo, hi = int(self.table.indptr[r]), int(self.table.indptr[r + 1])
         pages = self._indices_on_device[lo:hi]
         blk = layouts.get(self.layout).load(_select_pages(self.data, pages), self.kind)
-        tokens = blk.reshape(-1, *blk.shape[2:])[: int(self.table.kv_lens[r])]
+        n = (hi - lo) * self.table.page_size if whole_pages else int(self.table.kv_lens[r])
+        tokens = blk.reshape(-1, *blk.shape[2:])[:n]
         return fp8.dequantize(tokens, self.scale) if dequant else tokens
 
     def byte_range(self, r: int) -> tuple[int, int]:
@@ -248,7 +251,7 @@ def build_pool(
     fmt_name: str,
     scale: torch.Tensor,
     device: torch.device | str,
-    layout: str = "linear",
+    layout: str = layouts.LINEAR.name,
     kind: str = "latent",
     tail_poison: str = "nan",
 ) -> KVPool:

@@ -1,5 +1,5 @@
-"""Where a failure lives: which rows, along which axis the bug acts, and the error heat map
-(tokens x heads, pooled) that the report draws.
+"""Where a failure lives: which rows, and along which axis the bug acts (the report's heat map
+of the rows is mlacheck/report/heatmap.py).
 
 `localise` groups bad rows [T, H] by request (decode) or segment (prefill): token range,
 heads, worst error, pages and pool bytes. `diagnose` reads the pattern of the bad rows and
@@ -9,15 +9,18 @@ names the axis a kernel engineer should look along, for the first line of the fa
 - requests / segments: whole requests fail while others pass; what the failing ones share
   and the passing ones do not is said (a partial last page, a tile-multiple kv length, pages
   past 2^31, an empty neighbour, ...);
-- KV positions / pages: the kernel's output for a failing request equals attention over a
-  prefix of its kv (the golden re-run on truncated kv), so the named positions were dropped;
-  or it is non-finite where the only poison it could reach is the tail of its last page;
+- KV positions / pages: the kernel's output for a failing request equals attention over
+  other KV positions: a prefix of its kv (the golden re-run on truncated kv: the named
+  positions were dropped), or its kv read on to its last page's end with the pool's real tail
+  contents (NaN or finite sentinel poison: the tail was read). A tail read is not claimed when
+  a passing request's poisoned tail shows the kernel does not read tails; the requests no
+  candidate explains are named as such;
 - pool region: exactly the requests with live pages past 2^31 / 2^32 bytes fail;
 - tokens: some tokens of a request fail in every head (MTP rows, one-token segments);
 - rows: anything else (named by request, tokens and heads).
 
-The KV test re-runs the golden for at most MAX_KV_PROBES requests on a few candidate
-prefixes each, only on FAIL, so it costs a fraction of the case's own golden.
+The KV test re-runs the golden for at most MAX_KV_PROBES failing (and passing) requests on a
+few candidate kv lengths each, only on FAIL, so it costs a fraction of the case's own golden.
 """
 
 from __future__ import annotations
@@ -93,8 +96,7 @@ def units_phrase(case: Case, units: list[int]) -> str:
 
 
 def diagnose(case: Case, inputs: Inputs, bad: torch.Tensor, err: torch.Tensor,
-             out: torch.Tensor, bound: float, nonfinite: torch.Tensor | None = None
-             ) -> Diagnosis | None:
+             out: torch.Tensor, bound: float) -> Diagnosis | None:
     """The axis along which the bad rows [T, H] lie (see the module docstring)."""
     if not bool(bad.any()):
         return None
@@ -109,7 +111,7 @@ def diagnose(case: Case, inputs: Inputs, bad: torch.Tensor, err: torch.Tensor,
     whole = [u for u in bad_units if bool(rows_of[u].all())]
     bad_heads = sorted(set(torch.nonzero(bad.any(0)).flatten().tolist()))
 
-    kv_first = _kv_attribution(case, inputs, bad_units, out, bound, nonfinite)
+    kv_first = _kv_attribution(case, inputs, bad_units, good_units, out, bound)
     if kv_first:  # a proven explanation beats any row pattern
         return Diagnosis("kv", f"KV positions: {kv_first}")
     if len(bad_heads) < h and all(
@@ -235,46 +237,86 @@ def _page_size(case: Case) -> int:
     return case.page_size
 
 
-def _kv_attribution(case: Case, inputs: Inputs, bad: list[int], out: torch.Tensor, bound: float,
-                    nonfinite: torch.Tensor | None) -> str:
-    """Name the KV positions a failing request's output is explained by (dropped prefix
-    tail, or a poisoned tail read); '' when no candidate explains every probed request."""
+def _kv_attribution(case: Case, inputs: Inputs, bad: list[int], good: list[int],
+                    out: torch.Tensor, bound: float) -> str:
+    """Name the KV positions that explain the failing requests' outputs: the golden re-run on
+    the request's kv read on to its last page's end (the pool's real tail contents: NaN or a
+    finite sentinel), or on a prefix (dropped positions). A tail read is not claimed when a
+    passing request's poisoned tail shows the kernel does not read tails (the cause is then
+    elsewhere: the pages, the pool region). '' when no probed request is explained."""
     if isinstance(case, SparseDecodeCase) or not bad:
         return ""
     cuts = request_bounds(inputs)
-    probed = bad[:MAX_KV_PROBES]
-    if nonfinite is not None:
-        tails = _poisoned_tail(case, inputs, probed, nonfinite, cuts)
-        if tails:
-            return tails
-    found = []
-    for u in probed:
-        hit = _explaining_prefix(case, inputs, u, out[cuts[u] : cuts[u + 1]], bound)
+
+    def rows(u: int) -> torch.Tensor:
+        return out[cuts[u] : cuts[u + 1]]
+
+    tails_read = not any(_tail_contradicted(case, inputs, u, rows(u), bound)
+                         for u in good[:MAX_KV_PROBES])
+    found, unexplained = [], []
+    for u in bad[:MAX_KV_PROBES]:
+        hit = (_tail_read(case, inputs, u, rows(u), bound) if tails_read else None) or \
+            _explaining_prefix(case, inputs, u, rows(u), bound)
         if hit is None:
-            return ""
-        found.append(hit)
-    return "; ".join(found)
-
-
-def _poisoned_tail(case: Case, inputs: Inputs, units: list[int], nonfinite: torch.Tensor,
-                   cuts: list[int]) -> str:
-    ps = _page_size(case)
-    lens = boundaries.kv_lengths(case)
-    if not ps or ps == 1:
+            unexplained.append(u)
+        else:
+            found.append(hit)
+    if not found:
         return ""
-    parts = []
-    for u in units:
-        if not bool(nonfinite[cuts[u] : cuts[u + 1]].any()):
-            return ""
-        fill = lens[u] % ps
-        if not fill:
-            return ""
-        pool = pool_of(inputs)
-        last = int(pool.table.pages_of(u)[-1]) if pool is not None else -1
-        parts.append(f"{unit_name(case)} {u}: tokens {lens[u]}..{lens[u] - fill + ps - 1} past its "
-                     f"kv_len, the poisoned tail of its last page (page {last}, {fill}/{ps} used) "
-                     "were read")
-    return "; ".join(parts)
+    rest = (f"; {units_phrase(case, unexplained)}: not explained by "
+            f"{'its' if len(unexplained) == 1 else 'their'} KV positions" if unexplained else "")
+    return "; ".join(found) + rest
+
+
+def _explains(ref: torch.Tensor, got: torch.Tensor, bound: float) -> bool:
+    """The kernel's rows `got` are attention `ref`: the kernel computed exactly that attention.
+
+    Every row `ref` has non-finite is non-finite in `got`, and `got`'s finite rows are within
+    the row bound of `ref`'s. When the positions read hold non-finite values, `got` may be
+    non-finite in more rows than `ref`: a kernel multiplies masked-out probabilities (0) by
+    the NaN values all the same (0 x NaN = NaN), the golden leaves them out."""
+    ref_bad, got_bad = ~torch.isfinite(ref).all(-1), ~torch.isfinite(got).all(-1)
+    if bool((ref_bad & ~got_bad).any()):
+        return False
+    if bool((got_bad & ~ref_bad).any()) and not bool(ref_bad.any()):
+        return False
+    fin = ~got_bad
+    if not bool(fin.any()):
+        return True
+    g, o = ref[fin].double(), got[fin].double()
+    rel = (o - g).norm(dim=-1) / g.norm(dim=-1).clamp_min(1e-6)
+    return float(rel.max()) <= EXPLAINED_FRACTION * bound
+
+
+def _tail_reference(case: Case, inputs: Inputs, u: int) -> torch.Tensor | None:
+    """Attention of unit u over its kv read on to its last page's end (None: no partial
+    last page, or no paged pool to read a tail from)."""
+    ps, kv = _page_size(case), boundaries.kv_lengths(case)[u]
+    if ps <= 1 or not kv % ps or pool_of(inputs) is None:
+        return None
+    q, k, v = _operands(case, inputs, u, whole_pages=True)
+    return attend(q, k, v, case.softmax_scale, getattr(case, "causal", True),
+                  getattr(case, "soft_cap", 0.0), dtype=torch.float32).out
+
+
+def _tail_contradicted(case: Case, inputs: Inputs, u: int, got: torch.Tensor,
+                       bound: float) -> bool:
+    """Passing unit u has a poisoned tail that, read, would have changed its output."""
+    ref = _tail_reference(case, inputs, u)
+    return ref is not None and not _explains(ref, got, bound)
+
+
+def _tail_read(case: Case, inputs: Inputs, u: int, got: torch.Tensor, bound: float
+               ) -> str | None:
+    ref = _tail_reference(case, inputs, u)
+    if ref is None or not _explains(ref, got, bound):
+        return None
+    ps, kv = _page_size(case), boundaries.kv_lengths(case)[u]
+    fill = kv % ps
+    pool = pool_of(inputs)
+    last = int(pool.table.pages_of(u)[-1]) if pool is not None else -1
+    return (f"{unit_name(case)} {u}: tokens {kv}..{kv - fill + ps - 1} past its kv_len, the "
+            f"poisoned tail of its last page (page {last}, {fill}/{ps} used) were read")
 
 
 def _candidate_prefixes(kv: int, page_size: int) -> list[int]:
@@ -303,9 +345,7 @@ def _explaining_prefix(case: Case, inputs: Inputs, u: int, got: torch.Tensor,
                      v if isinstance(v, int) else v.view(lambda x, n=n: x[:n]),
                      case.softmax_scale, getattr(case, "causal", True),
                      getattr(case, "soft_cap", 0.0), dtype=torch.float32).out
-        g, o = ref.double(), got.double()
-        rel = (o - g).norm(dim=-1) / g.norm(dim=-1).clamp_min(1e-6)
-        if float(rel.max()) <= EXPLAINED_FRACTION * bound:
+        if _explains(ref, got, bound):
             where = _page_words(case, inputs, u, n, kv, ps)
             return (f"{unit_name(case)} {u} attends to tokens 0..{n - 1} only: tokens "
                     f"{n}..{kv - 1} of its kv ({where}) are not attended")
@@ -323,47 +363,29 @@ def _page_words(case: Case, inputs: Inputs, u: int, n: int, kv: int, ps: int) ->
     return f"{span}, page id{'s' if len(ids) > 1 else ''} {ranges(ids, 6)}"
 
 
-def _operands(case: Case, inputs: Inputs, u: int) -> tuple[Operand, Operand, Operand | int]:
-    """Request u's q, K, V as the exact golden reads them."""
+def _operands(case: Case, inputs: Inputs, u: int, whole_pages: bool = False
+              ) -> tuple[Operand, Operand, Operand | int]:
+    """Request u's q, K, V as the exact golden reads them (whole_pages: K, V read on to the
+    last page's end, as a kernel reading past kv_len sees them; paged pools only)."""
     cuts = request_bounds(inputs)
     if isinstance(inputs, DecodeInputs):
         q = Operand(inputs.q.stored, per_tensor(inputs.q.scale)).view(
             lambda x: x[cuts[u] : cuts[u + 1]])
-        kv = Operand(inputs.pool.gather(u, dequant=False), per_tensor(inputs.pool.scale))
+        kv = Operand(inputs.pool.gather(u, dequant=False, whole_pages=whole_pages),
+                     per_tensor(inputs.pool.scale))
         return q, kv, case.dims.kv_lora_rank
     kc = inputs.cu_seqlens_k.tolist()
     q = Operand(inputs.q.stored, per_tensor(inputs.q.scale)).view(
         lambda x: x[cuts[u] : cuts[u + 1]])
     if inputs.k_pool is not None and inputs.v_pool is not None:
-        return (q, Operand(inputs.k_pool.gather(u, dequant=False), per_tensor(inputs.k_pool.scale)),
-                Operand(inputs.v_pool.gather(u, dequant=False), per_tensor(inputs.v_pool.scale)))
+        k_pool, v_pool = inputs.k_pool, inputs.v_pool
+        return (q, Operand(k_pool.gather(u, dequant=False, whole_pages=whole_pages),
+                           per_tensor(k_pool.scale)),
+                Operand(v_pool.gather(u, dequant=False, whole_pages=whole_pages),
+                        per_tensor(v_pool.scale)))
     k = Operand(inputs.k.stored, per_tensor(inputs.k.scale)).view(lambda x: x[kc[u] : kc[u + 1]])
     v = Operand(inputs.v.stored, per_tensor(inputs.v.scale)).view(lambda x: x[kc[u] : kc[u + 1]])
     return q, k, v
 
 
-__all__ = ["Diagnosis", "diagnose", "heatmap", "heatmap_block", "localise", "request_bounds",
-           "shared_properties"]
-
-
-# --------------------------------------------------------------------------- heat map
-
-HEATMAP_MAX = (256, 128)  # rows x heads kept in a report heat map (max-pooled beyond that)
-HEATMAP_NONFINITE = 1e30  # a non-finite row's cell (JSON has no inf); report/plots.py reads it
-
-
-def heatmap_block(shape: tuple[int, ...]) -> list[int]:
-    """(tokens, heads) pooled into one heat-map cell."""
-    return [-(-shape[0] // HEATMAP_MAX[0]), -(-shape[1] // HEATMAP_MAX[1])]
-
-
-def heatmap(err: torch.Tensor) -> list[list[float]]:
-    """Per-row errors [T, H] for the report, max-pooled down to HEATMAP_MAX."""
-    t, h = err.shape
-    ft, fh = heatmap_block(err.shape)
-    e = err.float()
-    if ft > 1 or fh > 1:
-        pad_t, pad_h = ft * -(-t // ft) - t, fh * -(-h // fh) - h
-        e = torch.nn.functional.pad(e, (0, pad_h, 0, pad_t), value=0.0)
-        e = e.reshape(e.shape[0] // ft, ft, e.shape[1] // fh, fh).amax(dim=(1, 3))
-    return [[x if x != float("inf") else HEATMAP_NONFINITE for x in row] for row in e.tolist()]
+__all__ = ["Diagnosis", "diagnose", "localise", "request_bounds", "shared_properties"]

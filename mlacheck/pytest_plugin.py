@@ -19,6 +19,7 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,15 @@ def split_backends(values: list[str] | None) -> list[str]:
     """Repeated and comma-separated backend names, each once, in order."""
     names = [n.strip() for v in values or [] for n in v.split(",")]
     return list(dict.fromkeys(n for n in names if n))
+
+
+def distinct_backends(specs: list[str], name_of: Callable[[str], str]) -> list[str]:
+    """The first request of each backend name: two spellings of one backend (`torch` and
+    `mlacheck.backends.torch_ref:factory`) would run every item twice under one name."""
+    first: dict[str, str] = {}
+    for spec in specs:
+        first.setdefault(name_of(spec), spec)
+    return list(first.values())
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -189,12 +199,14 @@ class _State:
         self._by_id: dict[str, Item] | None = None
         self._progress: Progress | None = None
         self.selected: list[Item] = []  # what this run collected (after -k / -m / resume)
+        self.matrix_name, self.matrix_cases = "", 0  # set by items()
 
     @property
     def backend_names(self) -> list[str]:
         from mlacheck.backends.registry import DEFAULT_BACKENDS
 
-        return split_backends(self.config.getoption("--mla-backend")) or list(DEFAULT_BACKENDS)
+        specs = split_backends(self.config.getoption("--mla-backend")) or list(DEFAULT_BACKENDS)
+        return distinct_backends(specs, lambda b: self.backend(b).name)
 
     @property
     def policy(self) -> CoveragePolicy:
@@ -222,7 +234,7 @@ class _State:
         """Everything that can be wrong before the first case: a usage error (exit 4)."""
         from mlacheck.backends.registry import BackendError
         from mlacheck.matrices import MatrixError
-        from mlacheck.preflight import PreflightError, check_output_file
+        from mlacheck.preflight import PreflightError, check_expression, check_output_file
         from mlacheck.spec import OPS
 
         try:
@@ -233,6 +245,8 @@ class _State:
                     raise PreflightError(f"--mla-require-ops: unknown op {op!r}; ops: {', '.join(OPS)}")
             if not 0.0 <= self.policy.min_executed <= 1.0:
                 raise PreflightError("--mla-min-executed must be a fraction in 0..1")
+            check_expression("-k", getattr(self.config.option, "keyword", ""))
+            check_expression("-m", getattr(self.config.option, "markexpr", ""))
             if self.results is None:  # the gate needs a file to read: a private one
                 fd, name = tempfile.mkstemp(prefix="mlacheck-", suffix=".jsonl")
                 os.close(fd)
@@ -260,6 +274,7 @@ class _State:
             except (BackendError, MatrixError, ValueError) as e:
                 raise pytest.UsageError(str(e)) from None
             self.matrix_name = matrix.name
+            self.matrix_cases = len(matrix.cases)
             leave_out = _leave_out(self.config.getoption("--mla-leave-out"))
             # case by case (a case's inputs and references serve all its backends in one
             # worker: mlacheck.harness), largest first (the long cases start first, and
@@ -278,19 +293,37 @@ class _State:
         if self.header_written or self.results is None:
             return
         by_id = {it.id: it for it in self.items()}
-        expected = []
-        for nid in node_ids:
-            it = by_id.get(_param_id(nid))
-            if it is not None:
-                expected.append((it.backend, it.case.id))
-        self.selected = [by_id[f"{b}-{c}"] for b, c in expected]
-        if not expected:
+        self.selected = [it for nid in node_ids
+                         if (it := by_id.get(_param_id(nid) or "")) is not None]
+        if not self.selected:
             return
         self.header_written = True
         results_file.repair_torn_tail(self.results)
+        # keyed as the verdict lines key items: by the backend's name, not the request
+        expected = [(self.backend(it.backend).name, it.case.id) for it in self.selected]
         header = results_file.new_header(expected, self.backend_names,
                                          getattr(self, "matrix_name", ""), self.device)
         results_file.append_line(self.results, header.to_line())
+
+    def why_nothing_selected(self) -> str:
+        """Why a run selected no item: the matrix, --resume and -k / -m each take their part."""
+        backends = len(self.backend_names)
+        total = self.matrix_cases * backends
+        if not total:
+            return f"matrix {self.matrix_name} has no cases"
+        parts = [f"matrix {self.matrix_name}: {self.matrix_cases} case(s) x {backends} "
+                 f"backend(s) = {total} item(s)"]
+        left = len(self.items())
+        if total > left:
+            parts.append(f"{total - left} already have a verdict (--resume)")
+        if left:
+            opt = self.config.option
+            how = [f"{flag} {expr!r}" for flag, expr in (("-k", getattr(opt, "keyword", "")),
+                                                          ("-m", getattr(opt, "markexpr", "")))
+                   if expr]
+            parts.append(f"{'all ' if left == total else 'the other '}{left} deselected by "
+                         + (" and ".join(how) or "the command line"))
+        return "; ".join(parts)
 
     def recorded_ids(self) -> set[tuple[str, str]]:
         return results_file.recorded_items(self.results)
@@ -370,6 +403,7 @@ def check_item(item: Item, state: _State, node: pytest.Item) -> None:
                   backend_spec=item.backend)
     state.write(record)
     node.stash[_RECORDED] = True
+    node.user_properties.append((STATUS_PROPERTY, verdict.status))  # for the controller
     if state.device_poisoned and is_worker(state.config):
         os._exit(DEVICE_ERROR_EXIT)  # xdist reports this item crashed and starts a new worker
     if verdict.status == SKIP:
@@ -432,13 +466,29 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         state.write(_crash_record(state, it, reason, report.nodeid))
     finished = report.when in ("call", "???") or (report.when == "setup" and not report.passed)
     if finished:
-        outcome = "known" if hasattr(report, "wasxfail") else report.outcome
-        line = state.progress().record(it.backend, it.case.op, outcome)
+        line = state.progress().record(it.backend, it.case.op, _progress_outcome(report))
         tr = config.pluginmanager.get_plugin("terminalreporter")
         if line and tr is not None and state.show_progress:
             if getattr(tr, "_width_of_current_line", 0):  # after pytest's dots
                 tr.write("\n")
             tr.write_line(line)
+
+
+# The verdict's status, carried from the worker to the controller in the item's report (and
+# into JUnit XML as a property): pytest's own outcome cannot tell a CRASH from a FAIL.
+STATUS_PROPERTY = "mla_status"
+
+
+def _progress_outcome(report: pytest.TestReport) -> str:
+    """What the progress line counts this finished item as."""
+    from mlacheck.verdict import CRASH, ERROR
+
+    status = dict(report.user_properties).get(STATUS_PROPERTY)
+    if hasattr(report, "wasxfail"):
+        return "known"
+    if report.when == "???" or status == CRASH:  # "???": its worker died under it
+        return "crashed"
+    return "error" if status == ERROR else report.outcome
 
 
 _CONFIG: dict[str, pytest.Config] = {}
@@ -519,14 +569,34 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The gate's exit code, from everything the results file holds (controller only)."""
     if is_worker(session.config):
         return
+    from mlacheck.outcome import (
+        EXIT_INTERNAL_ERROR,
+        EXIT_KERNEL_FAILURE,
+        EXIT_NOT_ENOUGH_RAN,
+        EXIT_SUITE_ERROR,
+    )
+
     state: _State = session.config.stash[_STATE]
+    if exitstatus == pytest.ExitCode.INTERNAL_ERROR and _runs_the_suite(session.config):
+        # pytest's 3 is the gate's "suite error" (a case's inputs or references failed):
+        # an INTERNALERROR is no verdict on any case
+        session.exitstatus = EXIT_INTERNAL_ERROR
+        return
     if state.results is None or not state.results.exists() or not state.header_written:
         return
     names = [state.backend(b).name for b in state.backend_names]
-    state.outcome = gate_outcome(state.results, names, state.policy)
-    # pytest keeps its own decisions: interrupted, internal and usage errors, nothing collected
-    if exitstatus in (0, 1) and state.outcome.code != 0:
-        session.exitstatus = state.outcome.code
+    state.outcome = out = gate_outcome(state.results, names, state.policy)
+    if exitstatus == pytest.ExitCode.INTERRUPTED:
+        # Ctrl-C, or SIGTERM under `mlacheck run`: what ran still counts (a FAIL wins), but
+        # the run is incomplete whatever the file says
+        if out.code not in (EXIT_KERNEL_FAILURE, EXIT_SUITE_ERROR):
+            out.code = EXIT_NOT_ENOUGH_RAN
+        out.lines.append("INCOMPLETE: the run was interrupted (continue it with `mlacheck run "
+                         "--resume`)")
+        session.exitstatus = out.code
+    # pytest keeps its own decisions: usage errors, nothing collected
+    elif exitstatus in (0, 1) and out.code != 0:
+        session.exitstatus = out.code
 
 
 def gate_outcome(path: Path, requested_backends: list[str], policy: CoveragePolicy) -> Outcome:
@@ -540,22 +610,29 @@ def gate_outcome(path: Path, requested_backends: list[str], policy: CoveragePoli
                      str(r.get("status", "")), str(r.get("reason", "")),
                      bool(r.get("known_failure")))
              for r in results_file.latest_per_item(raw.records)]
-    return decide(items, requested_backends=requested_backends, expected=len(raw.expected),
+    return decide(items, requested_backends=requested_backends, expected=raw.expected,
                   policy=policy)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    from mlacheck.outcome import coverage_lines, exit_meaning
+    from mlacheck.outcome import EXIT_NOTHING_COLLECTED, coverage_lines, exit_meaning
 
     state: _State = config.stash[_STATE]
     out = state.outcome
+    tr = terminalreporter
+    if (out is None and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED
+            and not is_worker(config) and _runs_the_suite(config)):
+        tr.write_line(f"mlacheck gate: exit {EXIT_NOTHING_COLLECTED} "
+                      f"({exit_meaning(EXIT_NOTHING_COLLECTED)}): {state.why_nothing_selected()}",
+                      bold=True, red=True)
+        return
     if out is None:
         return
-    tr = terminalreporter
     tr.section("mlacheck coverage (per backend x op)")
     for line in coverage_lines(out.coverage):
         tr.write_line(line)
-    code = out.code if exitstatus in (0, 1) else exitstatus
+    # the gate's code (set in pytest_sessionfinish, an interrupted run's included); else pytest's
+    code = out.code if exitstatus in (0, 1, pytest.ExitCode.INTERRUPTED) else exitstatus
     tr.write_line(f"mlacheck gate: exit {code} ({exit_meaning(code)})", bold=True,
                   red=code != 0, green=code == 0)
     for line in out.lines:

@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     title = f"mlacheck report: {path.name}"
     try:
         outdir.mkdir(parents=True, exist_ok=True)
-        run = {"expected": loaded.expected, "superseded": loaded.superseded}
+        run = {"expected": loaded.expected, "superseded": loaded.superseded,
+               "missing": loaded.missing}
         md = write_markdown(
             loaded.verdicts, outdir / "report.md", unparsable=loaded.skipped, title=title, **run
         )

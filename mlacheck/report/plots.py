@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 COLOURS = {PASS: "#2e7d32", FAIL: "#c62828", CRASH: "#6a1b9a", SKIP: "#9e9e9e", KNOWN: "#ef6c00"}
-NONFINITE = 1e29  # localise.heatmap writes non-finite rows as 1e30; anything this large is one
+NONFINITE = 1e29  # report.heatmap writes non-finite rows as 1e30; anything this large is one
 RATIO_FLOOR = 1e-4  # worst/bound below this (e.g. an exact 0) is drawn at the floor of a log axis
 RATIO_CEIL = 1e6  # and above this (e.g. inf) at the ceiling
 MAX_BOXES = 12  # where-boxes drawn on a heat map (the summary text lists them all)
@@ -156,7 +156,7 @@ def _horizontal() -> dict[str, Any]:
 
 
 def token_step(heat_rows: int, heat_heads: int, rows: Any) -> int:
-    """Tokens per heat-map row: localise.heatmap max-pools long token axes into blocks."""
+    """Tokens per heat-map row: report.heatmap max-pools long token axes into blocks."""
     if not isinstance(rows, int) or rows <= 0 or heat_rows <= 0 or heat_heads <= 0:
         return 1
     tokens = rows // heat_heads

@@ -104,9 +104,11 @@ def write_html(
     source: str = "",
     expected: int = 0,
     superseded: int = 0,
+    missing: int | None = None,
 ) -> Path:
     path = Path(path)
-    s = summarise(verdicts, unparsable, expected=expected, superseded=superseded)
+    s = summarise(verdicts, unparsable, expected=expected, superseded=superseded,
+                  missing=missing)
     html = render_html(s, verdicts, title, source)
     path.write_text(html, encoding="utf-8")
     return path
@@ -130,7 +132,7 @@ def _header(s: Summary, title: str, source: str) -> str:
         head, cls = (f"{s.by_status[ERROR]} suite error(s), {s.by_status[XPASS]} known "
                      "failure(s) now passing (XPASS)"), "bad"
     elif s.incomplete:
-        head, cls = f"INCOMPLETE: {s.total} of {s.expected} items have a verdict", "bad"
+        head, cls = f"INCOMPLETE: {s.with_verdict} of {s.expected} items have a verdict", "bad"
     elif ran:
         known = f", {s.by_status[KNOWN]} known failure(s)" if s.by_status[KNOWN] else ""
         head, cls = f"All {ran} executed cases pass{known}", "good"

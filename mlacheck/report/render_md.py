@@ -28,9 +28,11 @@ def write_markdown(
     title: str = "mlacheck report",
     expected: int = 0,
     superseded: int = 0,
+    missing: int | None = None,
 ) -> Path:
     path = Path(path)
-    s = summarise(verdicts, unparsable, expected=expected, superseded=superseded)
+    s = summarise(verdicts, unparsable, expected=expected, superseded=superseded,
+                  missing=missing)
     path.write_text(render_markdown(s, title), encoding="utf-8")
     return path
 

@@ -26,22 +26,70 @@ def test_every_fault_has_a_known_axis() -> None:
     assert set(AXES.values()) - {"crash"} <= set(AXIS_WORDS)
 
 
+# Every failing case of a fault's own selftest groups is checked, and of these smoke cases (a
+# fixed sample: paged prefill at page sizes 16 / 64 / 1024, paged decode at 16 / 64 / 1024,
+# MTP, both sentinel-tail cases, a persistent schedule over 2048 tokens, an empty request, a
+# soft cap; the 98305-token case is left to the selftest's decode-long-kv group: ~8 s a run).
+# The whole of smoke x every fault takes ~10 minutes on the 2-core CI machine.
+SMOKE_SAMPLE = (10, 14, 16, 21, 26, 28, 30, 32, 34, 35, 43, 46, 49)
+SMOKE = load("smoke").cases
+
+# (fault, case id prefix) whose card names another axis than the fault's footprint, with
+# why. Asserted exactly: a gap that closes fails the test until it is removed here.
+KNOWN_GAPS: dict[tuple[str, str], str] = {
+    ("causal-top-left", "pf-s2-q37-ctx15-h16-bf16-causal-p16"):
+        "the output is exactly attention over the first q_len keys (top-left alignment on the "
+        "whole kv = bottom-right on that prefix): the KV words are true, the mask is not named",
+    ("default-softmax-scale", "dec-b1-kv70-h16-p64-bf16-shuffled-sentinel"):
+        "one request: every row of the case's only request fails, and one request cannot tell "
+        "a global cause from its own",
+    ("empty-request-shift", "sparse-b3-mtp2-kv40-90-empty1"):
+        "sparse pseudo-batches get no units-alone probe: every request fails, read as global",
+    ("fp8-unit-scale", "dec-b2-kv37-100-h16-p16-e4m3fnuz-amax-shuffled-stress"):
+        "every row NaN: a NaN tail read cannot be told from NaN made by the cast without a "
+        "kernel probe on finite tails (not built)",
+    ("fp8-unit-scale", "pf-s2-q37-ctx13-h16-e4m3fn"):
+        "every segment fails in some rows of every head: read as rows, not as a global cause",
+    ("narrow-accumulation", "dec-b3-mtp2-kv257-2048"):
+        "one head of one request over the bound: data-dependent accumulation error reads as "
+        "a head pattern",
+    ("tile-multiple-drops-last-64", "dec-b3-mtp4-kv64-200"):
+        "kv 64 loses its only tile: attention over no key has no golden, no prefix explains it",
+}
+
+
+def _cases_of(name: str) -> list:
+    spec = FAULTS[name]
+    own = [mc.case for mc in SELFTEST if mc.group in spec.groups]
+    return [c for c in own + [SMOKE[i].case for i in SMOKE_SAMPLE] if c.op in spec.ops]
+
+
 @pytest.mark.parametrize("name", sorted(n for n, a in AXES.items() if a != "crash"))
 def test_first_line_of_the_card_names_the_faults_axis(name: str) -> None:
+    """Every failing case of the fault's selftest groups and of the smoke sample."""
     spec = FAULTS[name]
-    fault = make(name)
+    fault = make(name)  # one instance over the cases, in order (stateful faults)
     opts = RunOptions(repeat=2 if spec.determinism else 1)
-    for mc in (mc for mc in SELFTEST if mc.group in spec.groups):
-        v = run_case(mc.case, fault, opts)
-        if v.status == FAIL:
-            break
-    else:
-        pytest.fail(f"{name}: no selftest case of {spec.groups} fails")
-    first = v.summary().splitlines()[0]
-    assert v.metrics.get("axis") == AXES[name], first
-    assert AXIS_WORDS[AXES[name]] in first, first
-    if name.startswith("page-id"):
-        assert "page ids up to" in first and "past 2^16" in first, first
+    failing, wrong, gaps = 0, [], set()
+    for case in _cases_of(name):
+        v = run_case(case, fault, opts)
+        if v.status != FAIL:
+            continue
+        failing += 1
+        first = v.summary().splitlines()[0]
+        gap = next((k for k in KNOWN_GAPS if k[0] == name and case.id.startswith(k[1])), None)
+        ok = v.metrics.get("axis") == AXES[name] and AXIS_WORDS[AXES[name]] in first
+        if name.startswith("page-id") and ok:
+            ok = "page ids up to" in first and "past 2^16" in first
+        if gap is not None:
+            gaps.add(gap)
+            assert not ok, f"known gap {gap} is closed: remove it from KNOWN_GAPS"
+        elif not ok:
+            wrong.append(f"axis {v.metrics.get('axis')!r}: {first}")
+    assert failing, f"{name}: no selftest case of {spec.groups} fails"
+    assert not wrong, f"{name} (expected axis {AXES[name]!r}):\n" + "\n".join(wrong)
+    stale = {k for k in KNOWN_GAPS if k[0] == name} - gaps
+    assert not stale, f"known gaps no case of {name} shows any more: {stale}"
 
 
 def test_a_crash_names_its_reason_instead() -> None:
@@ -56,3 +104,63 @@ def test_a_paging_bug_points_at_the_last_page_not_at_heads() -> None:
     first = run_case(mc.case, make("last-page-lens-one")).summary().splitlines()[0]
     assert "KV positions: request 0 attends to tokens 0..32 only" in first
     assert "(the last page, page id" in first and "heads" not in first.split(" -- ")[1][:60]
+
+
+def _card(fault: str, case_prefix: str) -> str:
+    case = next(mc.case for mc in (*SMOKE, *SELFTEST) if mc.case.id.startswith(case_prefix))
+    v = run_case(case, make(fault))
+    assert v.status == FAIL
+    return v.summary().splitlines()[0].split(" -- ", 1)[1]
+
+
+@pytest.mark.parametrize("case, words", [
+    ("dec-b1-kv70-h16-p64-bf16-shuffled-sentinel",
+     "KV positions: request 0: tokens 70..127 past its kv_len, the poisoned tail of its last "
+     "page (page 1, 6/64 used) were read"),
+    ("pf-s1-q21-ctx50-h16-bf16-causal-p1024vec-shuffled-sentinel",
+     "KV positions: segment 0: tokens 71..1023 past its kv_len, the poisoned tail"),
+])
+def test_a_finite_sentinel_tail_read_is_attributed_to_the_tail(case: str, words: str) -> None:
+    """Issue 16 audit: a finite (sentinel) tail read used to say `heads 1-2,5-8,13 of 16`
+    (decode) or `rows of segment 0` (prefill): only NaN was attributed. The golden re-run on
+    the kv read on to the page end, with the pool's real tail, reproduces the output."""
+    assert _card("read-past-page-end", case).startswith(words)
+
+
+def test_requests_the_tail_explains_are_attributed_and_the_schedule_comes_second() -> None:
+    """Issue 16 audit: one probed request that the NaN rule could not explain made the whole
+    card `every request, every head: a global cause`, and a failing schedule check was put
+    before a proven KV explanation."""
+    first = _card("read-past-page-end", "dec-b3-kv37-300-h16-p16-bf16")
+    assert first.startswith("KV positions: request 0: tokens 37..47 past its kv_len"), first
+    assert "; schedule: work " in first and "global cause" not in first, first
+    first = _card("last-page-lens-one", "dec-b3-kv37-300-h16-p16-bf16")
+    assert first.startswith("KV positions: request 0 attends to tokens 0..32 only"), first
+    assert "; schedule: work 1 on CU 1 has kv_offset 33, expected 44" in first, first
+
+
+def test_a_wrapped_offset_is_the_pool_not_a_tail_read() -> None:
+    """A 32-bit offset wrap reads NaN for whole pages, tails included: the tail reading is
+    not claimed (the requests below 2^31 keep their NaN tails and pass; the same tokens on
+    low pages pass) and the card names the pool region."""
+    for prefix in ("dec-b8-kv9-16-h16-p16-e4m3fnuz-amax-high31",
+                   "dec-b8-kv9-16-h16-p16-e4m3fnuz-amax-high32"):
+        first = _card("offset-wrap-int32", prefix)
+        assert first.startswith("pool region") and "poisoned tail" not in first, first
+
+
+def test_one_unit_failing_in_the_batch_passes_alone_in_the_singular() -> None:
+    """The probe's words agree in number: `request 1 fails ... but passes alone`."""
+    from mlacheck import golden, inputs, judge
+    from mlacheck.backends.base import Output
+    from mlacheck.spec import DecodeCase, Request
+    from mlacheck.verdict import Verdict, Where
+
+    case = DecodeCase(requests=(Request(1, 40), Request(1, 70)), num_heads=16, page_size=16)
+    inp = inputs.build(case, "cpu")
+    gold = golden.reference(inp, "exact", "fp32")
+    v = Verdict(case.id, "b", case.op, FAIL, metrics={"axis": "requests", "bound": 0.01},
+                where=[Where("row_error", 1, (1, 1), (0, 0), [3], 0.5, 0.01)])
+    alone = {u: Output(gold.out[u : u + 1].clone()) for u in (0, 1)}
+    judge.refine_diagnosis(v, inp, gold, judge.Probes(alone=alone))
+    assert v.diagnosis.startswith("request 1 fails in the batch but passes alone (probed 0-1)")

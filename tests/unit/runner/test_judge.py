@@ -193,3 +193,47 @@ def test_a_kernel_that_writes_its_inputs_gets_the_next_backend_fresh_ones(monkey
         assert builds.n == 2 and again.status == PASS, again.summary()
     finally:
         harness.release_shared()
+
+
+# An fp8 decode output scaled by 12%: twice the baseline-derived row bound (~6-7% for e4m3
+# P rounding, docs/detection.md §2) yet inside the absolute e4m3 budget (tolerances.ROW_BUDGET,
+# 25%), so only the baseline can catch it.
+PATCH_SCALE = 1.12
+
+
+def test_a_patched_torch_instance_is_judged_against_the_independent_baseline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TorchBackend instance with its run patched is the object under test, never its own
+    baseline: it FAILs; were it the baseline, its own error would widen its bound and it
+    would PASS (what the audit warned of)."""
+    case = spec.DecodeCase(requests=DECODE.requests, num_heads=16, page_size=16,
+                           quant=spec.Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax"))
+    patched = TorchBackend()
+    real = patched.run
+
+    def scaled(c, inputs):  # noqa: ANN001, ANN202
+        res = real(c, inputs)
+        res.out.copy_((res.out.float() * PATCH_SCALE).to(res.out.dtype))
+        return res
+
+    monkeypatch.setattr(patched, "run", scaled)
+    assert run(TorchBackend(), case).status == PASS
+    v = run(patched, case)
+    assert v.status == FAIL and "row_error" in v.reason, v.summary()
+    monkeypatch.setattr(harness, "BASELINE", patched)  # the self-baseline the audit found
+    assert run(patched, case).status == PASS
+
+
+def test_the_row_bound_does_not_shrink_with_the_kernels_nan_rows() -> None:
+    """The bound is the baseline's worst row over every row where the golden is finite,
+    whatever the kernel returned there: a kernel NaN in most rows used to leave the bound at
+    the floor, and the relocation probe of a 32-bit offset wrap (same tokens, low pages) then
+    failed against it (issue 16 audit)."""
+
+    def nan_rows(res: Output, inputs) -> None:  # noqa: ANN001
+        res.out[1:] = float("nan")
+
+    right, wrong = run(TorchBackend()), run(Planted(nan_rows))
+    assert wrong.status == FAIL and right.status == PASS
+    assert wrong.metrics["bound"] == right.metrics["bound"]
+    assert wrong.metrics["baseline_worst_row"] == right.metrics["baseline_worst_row"] > 0
