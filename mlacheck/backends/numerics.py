@@ -137,16 +137,7 @@ def _online_tiles(
     blk = nm.kv_block
     tiles = max(1, -(-n // blk))
     pad = tiles * blk - n
-    qh = q.permute(1, 0, 2)  # [H, Sq, D]
-    s = torch.matmul(qh, k[lo:hi].permute(1, 2, 0)) * scale  # [H, Sq, n]
-    if soft_cap > 0:
-        s = soft_cap * torch.tanh(s / soft_cap)
-    vis = torch.ones((sq, n), dtype=torch.bool, device=q.device)
-    if causal:
-        vis &= torch.arange(lo, hi, device=q.device)[None, :] <= q_positions[:, None]
-    if kv_valid is not None:
-        vis &= kv_valid[lo:hi][None, :]
-    s = s.masked_fill(~vis, float("-inf"))
+    s = _scores(q.permute(1, 0, 2), k, lo, hi, scale, soft_cap, causal, kv_valid, q_positions)
     if pad:
         s = torch.nn.functional.pad(s, (0, pad), value=float("-inf"))
     st = s.view(h, sq, tiles, blk)
@@ -167,13 +158,7 @@ def _online_tiles(
     vv = v[lo:hi].permute(1, 0, 2)  # [Hk, n, Dv]
     if pad:
         vv = torch.nn.functional.pad(vv, (0, 0, 0, pad))
-    acc = torch.matmul(p_r, vv)  # [H, Sq, Dv]
-    out = acc / l
-    lse = (last_max + torch.log(l)).squeeze(-1)
-    empty = l.squeeze(-1) == 0
-    out = torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out)
-    lse = torch.where(empty, torch.full_like(lse, float("-inf")), lse)
-    return out.permute(1, 0, 2), lse.permute(1, 0)
+    return _normalised(torch.matmul(p_r, vv), l, last_max)
 
 
 def _online_sequential(
@@ -192,17 +177,8 @@ def _online_sequential(
         starts.reverse()
     for b0 in starts:
         b1 = min(hi, b0 + nm.kv_block)
-        kb = k[b0:b1].permute(1, 2, 0)  # [Hk, D, n]
         vb = v[b0:b1].permute(1, 0, 2)  # [Hk, n, Dv]
-        s = torch.matmul(qh, kb) * scale  # [H, Sq, n]
-        if soft_cap > 0:
-            s = soft_cap * torch.tanh(s / soft_cap)
-        vis = torch.ones((sq, b1 - b0), dtype=torch.bool, device=q.device)
-        if causal:
-            vis &= torch.arange(b0, b1, device=q.device)[None, :] <= q_positions[:, None]
-        if kv_valid is not None:
-            vis &= kv_valid[b0:b1][None, :]
-        s = s.masked_fill(~vis, float("-inf"))
+        s = _scores(qh, k, b0, b1, scale, soft_cap, causal, kv_valid, q_positions)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         alpha = torch.exp(m - m_safe)
@@ -213,6 +189,28 @@ def _online_sequential(
         if nm.acc_format != "fp32":
             acc = fp8.round_trip(acc, nm.acc_format)
         m = m_new
+    return _normalised(acc, l, m)
+
+
+def _scores(qh: torch.Tensor, k: torch.Tensor, b0: int, b1: int, scale: float,
+            soft_cap: float, causal: bool, kv_valid: torch.Tensor | None,
+            q_positions: torch.Tensor) -> torch.Tensor:
+    """Scaled (soft-capped) scores of keys b0..b1 [H, Sq, n], -inf where a row cannot see."""
+    s = torch.matmul(qh, k[b0:b1].permute(1, 2, 0)) * scale
+    if soft_cap > 0:
+        s = soft_cap * torch.tanh(s / soft_cap)
+    vis = torch.ones((qh.shape[1], b1 - b0), dtype=torch.bool, device=qh.device)
+    if causal:
+        vis &= torch.arange(b0, b1, device=qh.device)[None, :] <= q_positions[:, None]
+    if kv_valid is not None:
+        vis &= kv_valid[b0:b1][None, :]
+    return s.masked_fill(~vis, float("-inf"))
+
+
+def _normalised(acc: torch.Tensor, l: torch.Tensor, m: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [Sq, H, Dv], lse [Sq, H]) from the accumulator, normaliser and running max
+    [H, Sq, ...]; a row that saw no key gets 0 and -inf."""
     out = acc / l
     lse = (m + torch.log(l)).squeeze(-1)
     empty = l.squeeze(-1) == 0
