@@ -176,14 +176,20 @@ def _run_admitted(case: Case, backend: Backend, opts: RunOptions, base: Verdict,
     repeats = _repeat(case, backend, opts) if opts.repeat > 1 else None
     if repeats is not None:
         t["determinism"], clock = time.perf_counter() - clock, time.perf_counter()
-    v = judge.verdict(case, inp, out, gold, baseline, ideal, backend.name, repeats,
-                      implementation=base.implementation)
-    if v.status == FAIL and v.metrics.get("axis") in judge.PROBED_AXES:
-        judge.refine_diagnosis(v, inp, gold, _probe(case, backend, inp, opts,
-                                                    v.metrics["axis"] in judge.ALONE_AXES))
-    if v.status == FAIL and tuple(out.out.shape) == tuple(gold.out.shape):  # for the report
-        v.metrics.update(heatmap.metrics(judge.row_errors(out.out.detach().cpu(),
-                                                          gold.out.detach().cpu())))
+    try:
+        v = judge.verdict(case, inp, out, gold, baseline, ideal, backend.name, repeats,
+                          implementation=base.implementation)
+    except Exception as e:  # mlacheck's own failure: never charged to the kernel
+        return _suite_error(base, "judging the output", e)
+    try:  # where a FAIL lies: a failure here leaves the verdict as it is, with a note
+        if v.status == FAIL and v.metrics.get("axis") in judge.PROBED_AXES:
+            judge.refine_diagnosis(v, inp, gold, _probe(case, backend, inp, opts,
+                                                        v.metrics["axis"] in judge.ALONE_AXES))
+        if v.status == FAIL and tuple(out.out.shape) == tuple(gold.out.shape):  # the report's
+            v.metrics.update(heatmap.metrics(judge.row_errors(out.out.detach().cpu(),
+                                                              gold.out.detach().cpu())))
+    except Exception as e:  # noqa: BLE001 - localisation never decides a verdict
+        v.metrics["localisation_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
     t["judge"] = time.perf_counter() - clock
     v.timings = t
     if _on_gpu(opts.device):  # what the case really took, against what admission reserved

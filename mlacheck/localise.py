@@ -275,6 +275,7 @@ def _explains(ref: torch.Tensor, got: torch.Tensor, bound: float) -> bool:
     the row bound of `ref`'s. When the positions read hold non-finite values, `got` may be
     non-finite in more rows than `ref`: a kernel multiplies masked-out probabilities (0) by
     the NaN values all the same (0 x NaN = NaN), the golden leaves them out."""
+    ref = ref.to(got.device)  # the golden runs on the case's device; the judge's rows may not
     ref_bad, got_bad = ~torch.isfinite(ref).all(-1), ~torch.isfinite(got).all(-1)
     if bool((ref_bad & ~got_bad).any()):
         return False

@@ -237,3 +237,26 @@ def test_the_row_bound_does_not_shrink_with_the_kernels_nan_rows() -> None:
     assert wrong.status == FAIL and right.status == PASS
     assert wrong.metrics["bound"] == right.metrics["bound"]
     assert wrong.metrics["baseline_worst_row"] == right.metrics["baseline_worst_row"] > 0
+
+
+def test_a_judge_failure_is_the_suites_error_and_a_localisation_failure_keeps_the_verdict(
+        monkeypatch) -> None:
+    from mlacheck import judge
+    from mlacheck.verdict import ERROR
+
+    def scale(res: Output, inputs) -> None:  # noqa: ANN001
+        res.out[1:3] = (res.out[1:3].float() * 1.03).to(res.out.dtype)
+
+    def broken(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+    with monkeypatch.context() as m:
+        m.setattr(judge, "verdict", broken)
+        v = run(Planted(scale))
+    assert v.status == ERROR and "judging" in v.reason, v.reason
+    with monkeypatch.context() as m:
+        m.setattr(judge, "refine_diagnosis", broken)
+        m.setattr(judge, "PROBED_AXES", frozenset({"request", "requests", "heads", "kv", "rows",
+                                                     "segment", "segments", "pages", "pool"}))
+        v = run(Planted(scale))
+    assert v.status == FAIL and "same device" in v.metrics["localisation_error"]
