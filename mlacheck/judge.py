@@ -289,7 +289,8 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
     pool = pool_of(inputs)
     if pool is not None:  # where the live pages really sit (a >2 GB case must reach 2^31)
         top = max(pool.byte_range(r)[1] for r in range(pool.table.batch))
-        v.metrics.update(pool_bytes=pool.nbytes, live_top_byte=top, live_region=byte_region(0, top))
+        v.metrics.update(pool_bytes=pool.nbytes, live_top_byte=top,
+                         live_region=byte_region(0, top, case.placement.offset_bits))
     if any(not c.passed for c in checks):
         found_axis = diagnose(case, inputs, failing, err, out, bound)
         if found_axis is not None:
@@ -413,7 +414,8 @@ def refine_diagnosis(v: Verdict, inputs: Inputs, gold: Result, probes: Probes) -
                        f"0..{pool.table.indices.numel() - 1} pass, so page placement is "
                        f"mishandled (live page ids up to {top}"
                        f"{' (past 2^16)' if top >= 1 << 16 else ' (past 2^15)' if top >= 1 << 15 else ''}"
-                       f", bytes up to {top_byte:#x}, {byte_region(0, top_byte)})")
+                       f", bytes up to {top_byte:#x}, "
+                       f"{byte_region(0, top_byte, case.placement.offset_bits)})")
         v.metrics["axis"] = "pool"
         return
     cuts = request_bounds(inputs)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from mlacheck import fp8, layouts
-from mlacheck.spec import Placement
+from mlacheck.spec import OFFSET_BITS, Placement
 
 # Output buffers carry this many guard rows before and after the real rows.
 GUARD_ROWS = 2
@@ -234,14 +234,17 @@ class KVPool:
         return page * self.page_bytes, (page + 1) * self.page_bytes
 
 
-def byte_region(lo: int, hi: int) -> str:
-    """Human name of a byte range relative to the 2^31 / 2^32 boundaries."""
+def byte_region(lo: int, hi: int, bits: int = OFFSET_BITS) -> str:
+    """Human name of a byte range relative to the 2^31 / 2^32 boundaries (those of a
+    `bits`-wide offset model: a case's `placement.offset_bits`)."""
+    signed, unsigned = 1 << (bits - 1), 1 << bits
+
     def side(x: int) -> str:
-        if x < 1 << 31:
-            return "below 2^31"
-        return "2^31..2^32" if x < 1 << 32 else "above 2^32"
-    a, b = side(lo), side(max(lo, hi - 1))
-    return a if a == b else f"{a} .. {b}"
+        if x < signed:
+            return f"below 2^{bits - 1}"
+        return f"2^{bits - 1}..2^{bits}" if x < unsigned else f"above 2^{bits}"
+    a, z = side(lo), side(max(lo, hi - 1))
+    return a if a == z else f"{a} .. {z}"
 
 
 def build_pool(

@@ -74,7 +74,7 @@ def localise(inputs: Inputs, bad: torch.Tensor, err: torch.Tensor, bound: float,
         if pool is not None:
             w.pages = pool.table.pages_of(r).tolist()
             lo, hi = pool.byte_range(r)
-            w.bytes, w.region = (lo, hi), byte_region(lo, hi)
+            w.bytes, w.region = (lo, hi), byte_region(lo, hi, inputs.case.placement.offset_bits)
         found.append(w)
     return found
 
@@ -173,10 +173,11 @@ def _pool_region(case: Case, inputs: Inputs, bad: list[int], good: list[int]) ->
     pool = pool_of(inputs)
     if pool is None:
         return ""
-    for limit in (1 << 32, 1 << 31):
+    signed, unsigned = case.placement.wraps  # 2^31, 2^32 (or a scale model's)
+    for limit in (unsigned, signed):
         past = {u for u in bad + good if pool.byte_range(u)[1] > limit}
         if past and past == set(bad):
-            name = "2^32" if limit == 1 << 32 else "2^31"
+            name = f"2^{limit.bit_length() - 1}"
             return (f"pool region: exactly the {unit_name(case)}s with live pages past {name} "
                     f"bytes fail ({unit_name(case)}s {ranges(bad)}; the others sit below)")
     return ""

@@ -29,9 +29,8 @@ from mlacheck.spec import Case, PrefillCase, SparseDecodeCase
 # "they only fail together" without re-running a large batch request by request.
 MAX_UNITS_ALONE = 3
 # Pools whose live pages reach past these are worth relocating: narrow page-id types (2^15)
-# and 32-bit byte offsets (2^31).
+# and 32-bit byte offsets (2^31, or the signed wrap of the case's offset model).
 RELOCATE_PAGE_ID = 1 << 15
-RELOCATE_BYTES = 1 << 31
 
 
 def _rows(t: Quantised, a: int, b: int) -> Quantised:
@@ -93,7 +92,8 @@ def worth_relocating(inputs: Inputs) -> bool:
     if pool is None or pool.table.indices.numel() == 0:
         return False
     top = int(pool.table.indices.max())
-    return top >= RELOCATE_PAGE_ID or (top + 1) * pool.page_bytes > RELOCATE_BYTES
+    signed_wrap = inputs.case.placement.wraps[0]
+    return top >= RELOCATE_PAGE_ID or (top + 1) * pool.page_bytes > signed_wrap
 
 
 def relocated(inputs: Inputs) -> Inputs:

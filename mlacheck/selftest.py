@@ -4,7 +4,7 @@ raises no false alarm on the correct backends.
 
     mlacheck selftest [--quick] [--matrix selftest] [--no-search] [--seeds N]
                       [--fault NAME ...] [--backend NAME ...] [--inner NAME]
-                      [--json out.json] [--device cpu]
+                      [--offset-bits 32] [--json out.json] [--device cpu]
 
 1. Every fault runs, as ONE instance (stateful faults keep their state), over the matrix
    cases of the ops it acts on (--quick: the matrix groups its spec names). A fault is
@@ -21,6 +21,13 @@ where that matters: for the faults that only a repeated run shows, and for the c
 backends (except, under --quick, on the multi-GiB large-KV cases, whose second pool build
 costs more than it proves there).
 
+The large-KV cases (pools past 2^31 / 2^32 bytes: 2 / 4 GiB of memory) run at full size by
+default. `--offset-bits 24` runs a scale model of them instead (Placement.scaled): their high
+placements (and those the search draws) move to 2^23 / 2^24 of a 24-bit offset model, where
+the offset-wrap faults wrap and the failure regions are named, so the same detection and
+localisation runs on megabyte pools (what mlacheck's own default test run uses; docs/ci.md
+"Test tiers").
+
 Exit status: 0 when every fault is caught and no correct backend fails, 1 otherwise, 2 on bad
 input (unknown matrix, fault or option).
 """
@@ -28,20 +35,25 @@ input (unknown matrix, fault or option).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
+import re
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlacheck.backends.faults import FAULTS, FaultSpec
 from mlacheck.errors import OneLineParser, UsageError
-from mlacheck.spec import Case
+from mlacheck.spec import MIN_OFFSET_BITS, OFFSET_BITS, Case
 from mlacheck.verdict import CRASH, FAIL, PASS, SKIP, Verdict
+
+if TYPE_CHECKING:  # torch stays unimported until a run starts (`--help` is instant)
+    from mlacheck.matrices import MatrixCase
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 DEFAULT_MATRIX = "selftest"
@@ -122,6 +134,20 @@ def regions(verdicts: Sequence[Verdict]) -> list[str]:
 # --------------------------------------------------------------------------- running
 
 
+def scale_case(case: Case, bits: int) -> Case:
+    """A high-placed case in a `bits`-wide offset model (Placement.scaled: 2^31 / 2^32 become
+    2^(bits-1) / 2^bits); any other case as it is (its pool models no wrap)."""
+    if case.placement.kind != "high" or case.placement.offset_bits == bits:
+        return case
+    return dataclasses.replace(case, placement=case.placement.scaled(bits))
+
+
+def scale_offsets(cases: Sequence[MatrixCase], bits: int) -> list[MatrixCase]:
+    """Matrix cases through `scale_case`, markers kept (the scale model selects as the real
+    run does)."""
+    return [dataclasses.replace(mc, case=scale_case(mc.case, bits)) for mc in cases]
+
+
 def _run_options(device: str, repeat: int) -> Any:
     from mlacheck.harness import RunOptions
 
@@ -156,13 +182,15 @@ def run_fault(spec: FaultSpec, cases: Sequence[Any], device: str, quick: bool,
     return res
 
 
-def search_fault(res: FaultResult, device: str, budget: int, inner: str | None = None) -> None:
+def search_fault(res: FaultResult, device: str, budget: int, inner: str | None = None,
+                 offset_bits: int = OFFSET_BITS) -> None:
     """Hypothesis search for the fault's simplest failing case (see module docstring).
 
     The settings are strategies.find_failing_case's (derandomized, no example database, no
     deadline); on top of it: the run options the fault needs (a repeated run for a
     determinism fault), a fresh instance primed with the spec's priming case for every
-    example of a stateful fault, and a cap of `budget` backend runs.
+    example of a stateful fault, and a cap of `budget` backend runs. High placements drawn
+    are moved into an `offset_bits`-wide model (`scale_case`).
     """
     from hypothesis import HealthCheck, Phase, Verbosity, find, settings
     from hypothesis.errors import NoSuchExample
@@ -198,7 +226,8 @@ def search_fault(res: FaultResult, device: str, budget: int, inner: str | None =
                       verbosity=Verbosity.quiet, phases=(Phase.generate, Phase.shrink),
                       suppress_health_check=list(HealthCheck))
     try:
-        case = find(strategy(spec.search), fails, settings=search)
+        drawn = strategy(spec.search).map(lambda c: scale_case(c, offset_bits))
+        case = find(drawn, fails, settings=search)
     except NoSuchExample:
         res.search_note = f"no failing case in {res.search_runs} runs"
         return
@@ -248,7 +277,7 @@ def _by(res: FaultResult) -> str:
 def _checks(res: FaultResult) -> str:
     c = res.checks
     text = ", ".join(f"{k} ({n})" for k, n in c.most_common())
-    where = [r for r in regions(res.failing) if r != "below 2^31"]
+    where = [r for r in regions(res.failing) if not re.fullmatch(r"below 2\^\d+", r)]
     if where:
         text += f"; at pool bytes {' / '.join(where)}"
     return text or "-"
@@ -347,6 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inner", default=None, metavar="NAME",
                    help="plant the faults in this backend where their mechanism allows (e.g. "
                         "aiter on a ROCm GPU); the others keep their default backend")
+    p.add_argument("--offset-bits", type=int, default=OFFSET_BITS, metavar="N",
+                   help=f"byte-offset width of the large-KV cases: {OFFSET_BITS} (default) "
+                        "builds the real 2 / 4 GiB pools past 2^31 / 2^32; 24 runs a scale "
+                        "model past 2^23 / 2^24 (megabytes; faults wrap at 24 bits)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--device", default="cpu",
                    help="where faults and correct backends run: cpu (default), cuda, cuda:N")
@@ -368,13 +401,16 @@ def _main(args: argparse.Namespace) -> int:
 
     if args.seeds < 1:
         raise UsageError("--seeds must be >= 1")
+    if not MIN_OFFSET_BITS <= args.offset_bits <= OFFSET_BITS:
+        raise UsageError(f"--offset-bits must be in {MIN_OFFSET_BITS}..{OFFSET_BITS}")
     unknown = [f for f in args.fault or [] if f.removeprefix("fault:") not in FAULTS]
     if unknown:
         raise UsageError(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(FAULTS)}")
     specs = [FAULTS[f.removeprefix("fault:")] for f in args.fault] if args.fault else list(
         FAULTS.values())
     try:
-        matrices = [load(args.matrix, seed or None) for seed in range(args.seeds)]
+        matrices = [dataclasses.replace(m, cases=scale_offsets(m.cases, args.offset_bits))
+                    for m in (load(args.matrix, seed or None) for seed in range(args.seeds))]
     except MatrixError as e:
         raise UsageError(str(e)) from None
     from mlacheck.backends.registry import available_names
@@ -389,7 +425,7 @@ def _main(args: argparse.Namespace) -> int:
     groups_known = all(set(s.groups) <= groups for s in specs)
     log = _logger()
     log(f"selftest: matrix {matrix.name} ({len(matrix.cases)} cases), {len(specs)} faults, "
-        f"{mode}, device {args.device}")
+        f"{mode}, device {args.device}, {args.offset_bits}-bit offsets")
     start = time.perf_counter()
     faults: list[FaultResult] = []
     for spec in specs:
@@ -399,7 +435,7 @@ def _main(args: argparse.Namespace) -> int:
 
             budget = (EXPENSIVE_SEARCH_RUNS if spec.search in EXPENSIVE else SEARCH_RUNS)[mode]
             t0 = time.perf_counter()
-            search_fault(r, args.device, budget, args.inner)
+            search_fault(r, args.device, budget, args.inner, args.offset_bits)
             r.seconds += time.perf_counter() - t0
         faults.append(r)
         log(f"  fault {spec.name}: {'caught' if r.caught else 'NOT CAUGHT'} by "
@@ -425,7 +461,8 @@ def _main(args: argparse.Namespace) -> int:
     print(summary)
     if args.json:
         meta = {"matrix": matrix.name, "mode": mode, "seeds": args.seeds,
-                "device": args.device, "seconds": round(total, 1), "summary": summary}
+                "device": args.device, "offset_bits": args.offset_bits,
+                "seconds": round(total, 1), "summary": summary}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(to_json(faults, correct, meta), indent=1,
                                               default=str))

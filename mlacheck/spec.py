@@ -113,6 +113,12 @@ class Quant:
         return fmt
 
 
+# Kernels address a KV pool with 32-bit byte offsets: a signed one wraps at 2^31, an unsigned
+# one at 2^32 (bug class 6). A placement may model a narrower width (`Placement.scaled`).
+OFFSET_BITS = 32
+MIN_OFFSET_BITS = 16
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where live KV pages sit in the pool.
@@ -121,6 +127,12 @@ class Placement:
     `spare_pages` free pages interleaved; high: the pool is sized past `offset_bytes` and the
     live pages straddle that byte offset (half below, half above, shuffled), so 32-bit
     offset arithmetic (2^31 signed / 2^32 unsigned) is exercised by real requests.
+
+    offset_bits: the byte-offset width the case models, 32 for every real kernel. A scale
+    model (`scaled(24)`: high at 2^23 / 2^24, regions named and the planted offset-wrap
+    faults wrapping at 24 bits) runs mlacheck's own class-6 detection and localisation on
+    megabyte pools instead of 2 / 4 GiB ones (docs/ci.md "Test tiers"). It says nothing
+    about a real kernel, which wraps at 32 bits whatever the case says.
     """
 
     kind: PlacementKind = "shuffled"
@@ -129,6 +141,9 @@ class Placement:
     # What fills a partial last page's tail: NaN (any use or unmasked read shows) or a large
     # finite sentinel (only a kernel that *uses* the tail shows: tells reads-but-masks apart).
     tail_poison: TailPoison = "nan"
+    offset_bits: int = OFFSET_BITS
+
+    LATER_FIELDS: ClassVar[frozenset[str]] = frozenset({"offset_bits"})
 
     def __post_init__(self) -> None:
         if self.kind not in ("packed", "shuffled", "high"):
@@ -139,11 +154,29 @@ class Placement:
             raise ValueError(f"tail_poison must be 'nan' or 'sentinel', not {self.tail_poison!r}")
         if self.spare_pages < 0:
             raise ValueError("spare_pages must be >= 0")
+        if (isinstance(self.offset_bits, bool) or not isinstance(self.offset_bits, int)
+                or not MIN_OFFSET_BITS <= self.offset_bits <= OFFSET_BITS):
+            raise ValueError(f"offset_bits must be an integer in {MIN_OFFSET_BITS}.."
+                             f"{OFFSET_BITS}, not {self.offset_bits!r}")
 
     @property
     def slug(self) -> str:
         s = f"high{self.offset_bytes.bit_length() - 1}" if self.kind == "high" else self.kind
+        if self.offset_bits != OFFSET_BITS:
+            s += f"-off{self.offset_bits}"
         return s + ("-sentinel" if self.tail_poison == "sentinel" else "")
+
+    @property
+    def wraps(self) -> tuple[int, int]:
+        """Byte offsets where the modelled offsets wrap: (2^31 signed, 2^32 unsigned)."""
+        return 1 << (self.offset_bits - 1), 1 << self.offset_bits
+
+    def scaled(self, bits: int) -> Placement:
+        """This placement in a `bits`-wide offset model: a high offset moves by the same
+        factor as the wraps (2^31 / 2^32 to 2^(bits-1) / 2^bits)."""
+        shift = self.offset_bits - bits
+        offset = self.offset_bytes >> shift if shift >= 0 else self.offset_bytes << -shift
+        return dataclasses.replace(self, offset_bits=bits, offset_bytes=offset)
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,8 @@ MARKERS: dict[str, str] = {
     "large_kv": "KV pools over 2 GB / 4 GB (deselected by CPU gates)",
     "persistent": "persistent (work-stealing) decode",
     "gpu": "needs a GPU",
-    "slow": "long-running",
+    "slow": "long-running (matrix cases: nightly only; mlacheck's own tests: the slow tier, "
+            "docs/ci.md)",
 }
 KNOWN_MARKERS = tuple(MARKERS)
 

@@ -7,6 +7,8 @@ offset-wrap-int32 (class 6): a page's byte offset `page * page_bytes` computed i
 offset-wrap-uint32 (class 6): the same offset in unsigned 32 bits: pages past 2^32 are read
     from `offset mod 2^32`, i.e. from the bottom of the pool (free, poisoned pages). Right for
     a pool that ends below 4 GiB, however far past 2^31 it goes.
+    Both wrap at the case's modelled width (Placement.offset_bits): 32, or a scale model's
+    (24: wraps at 2^23 / 2^24, the same mechanism on megabyte pools).
 read-past-page-end (class 6): the buffer range of the last page covers the whole page, and the
     kernel uses all of it: kv_last_page_lens = page_size, so a partial last page's tail
     (poisoned) is attended to. Right for full last pages (always at page size 1).
@@ -80,7 +82,8 @@ def pool_as_read(pool: KVPool, bits: int, signed: bool) -> tuple[KVPool, list[in
 
 
 class OffsetWrap(Wrapper):
-    """Class 6: page byte offsets held in 32 bits (signed or unsigned)."""
+    """Class 6: page byte offsets held in 32 bits (signed or unsigned), or in the narrower
+    width a scale-model case says (Placement.offset_bits)."""
 
     ops = DECODE_OPS
 
@@ -90,9 +93,10 @@ class OffsetWrap(Wrapper):
 
     def run(self, case: Case, inputs: Inputs) -> Output:
         assert isinstance(inputs, DecodeInputs)
-        pool, hit = pool_as_read(inputs.pool, 32, self.signed)
+        bits = case.placement.offset_bits
+        pool, hit = pool_as_read(inputs.pool, bits, self.signed)
         res = self.inner.run(case, replace_inputs(inputs, pool=pool))
-        res.metadata["fault"] = f"{len(hit)} live pages read through a wrapped 32-bit offset"
+        res.metadata["fault"] = f"{len(hit)} live pages read through a wrapped {bits}-bit offset"
         return res
 
 

@@ -204,7 +204,8 @@ def test_folded_heads_with_mixed_q_len(monkeypatch: pytest.MonkeyPatch, gfx: str
         assert "uniform q_len" in v.reason
 
 
-@pytest.mark.slow  # ~10 s per chip on an idle 2-core machine, minutes under load
+# ~10 s per chip on an idle 2-core machine, minutes under load: in the default run (it has no
+# faster equivalent; `slow` would move it to the slow tier, docs/ci.md "Test tiers")
 @pytest.mark.parametrize("gfx", ["gfx942", "gfx950"])
 def test_premerge_subset(monkeypatch: pytest.MonkeyPatch, gfx: str) -> None:
     """The premerge matrix without its >2 GB / >4 GB pools: nothing FAILs or CRASHes; what

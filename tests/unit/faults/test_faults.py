@@ -7,6 +7,11 @@
   bite (page size 1, 8 heads, sparse lengths equal to topk, one segment, no context, q_len 1,
   a first call, a single run) and fails where it does, on the right check and, for the
   32-bit offset wraps, on exactly the requests whose pages sit past 2^31 / 2^32.
+
+The large-KV proofs run in two tiers (docs/ci.md "Test tiers"): in a 24-bit offset model by
+default (`selftest --offset-bits 24`, Placement.scaled: the same cases, wraps and region names
+at 2^23 / 2^24, megabyte pools) and at the real 2^31 / 2^32 with 2 / 4 GiB pools in the slow
+tier (the same tests, parameter `off32`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import dataclasses
 import json
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +48,11 @@ from mlacheck.verdict import CRASH, FAIL, PASS, Verdict
 CORRECT = ("torch", "torch-split", "torch-reverse", "aiter-model", "aiter-model-nonpersistent")
 BATCH = (Request(1, 37), Request(1, 100), Request(1, 64))  # partial, multi-page, full last page
 FNUZ = Quant("fp8_e4m3fnuz", "fp8_e4m3fnuz", "amax")
+# Offset models: 24 bits (megabyte pools, the default run) and the real 32 (the slow tier:
+# GiB pools, one memory_heavy test at a time, tests/conftest.py).
+OFFSET_MODELS = [pytest.param(24, id="off24"),
+                 pytest.param(32, marks=[pytest.mark.slow, pytest.mark.large_kv,
+                                         pytest.mark.memory_heavy], id="off32")]
 
 
 def failed(v: Verdict) -> set[str]:
@@ -55,27 +66,35 @@ def describe(v: Verdict) -> str:
 # --------------------------------------------------------------------------- the selftest
 
 
-@pytest.fixture(scope="session")
-def selftest(tmp_path_factory: pytest.TempPathFactory, testrun_uid: str
+@pytest.fixture(scope="session", params=OFFSET_MODELS)
+def selftest(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+             testrun_uid: str, memory_lock: Callable[[bool], AbstractContextManager[None]]
              ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    """`mlacheck selftest --quick`, run once per test run: its tests are spread over the xdist
-    workers, and a fixture per worker ran it twice at once (twice the time and the memory of
-    its 2 GiB / 4 GiB pools). The first worker runs it under a lock; the others read its files."""
+    """`mlacheck selftest --quick --offset-bits N`, run once per test run and model: its tests
+    are spread over the xdist workers, and a fixture per worker ran it twice at once (twice
+    the time and the memory). The first worker runs it under a lock; the others read its
+    files. N = 24 in the default run; 32 (the real 2 GiB / 4 GiB pools, what the nightly
+    runs) in the slow tier. It needs ~1.9 GB (N = 24): it runs under the memory lock, as a
+    memory_heavy test (tests/conftest.py)."""
     import fcntl
 
-    root = tmp_path_factory.getbasetemp().parent / f"selftest-{testrun_uid}"  # shared by workers
-    root.mkdir(exist_ok=True)
+    bits = request.param
+    root = tmp_path_factory.getbasetemp().parent / f"selftest-{testrun_uid}-{bits}"
+    root.mkdir(exist_ok=True)  # shared by the workers
     out, done = root / "selftest.json", root / "done.json"
+    argv = ["selftest", "--quick", "--offset-bits", str(bits)]
     with open(root / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            proc = subprocess.run(
-                [sys.executable, "-m", "mlacheck.cli", "selftest", "--quick", "--json", str(out)],
-                capture_output=True, text=True, timeout=900, check=False)
+            with memory_lock(True):
+                proc = subprocess.run(
+                    [sys.executable, "-m", "mlacheck.cli", *argv, "--json", str(out)],
+                    capture_output=True, text=True, timeout=900, check=False)
             done.write_text(json.dumps([proc.returncode, proc.stdout, proc.stderr]))
     code, stdout, stderr = json.loads(done.read_text())
     data = json.loads(out.read_text()) if out.exists() else {}
-    return subprocess.CompletedProcess(["mlacheck", "selftest", "--quick"], code, stdout, stderr), data
+    assert not data or data["offset_bits"] == bits
+    return subprocess.CompletedProcess(["mlacheck", *argv], code, stdout, stderr), data
 
 
 def test_selftest_quick_exits_0_and_prints_the_table(
@@ -116,7 +135,24 @@ def test_selftest_correct_backends_raise_no_false_alarm(
         assert not b["error"] and b["false_alarms"] == [], (name, b)
         assert b["pass"] >= 18, (name, b)  # the backend really ran the matrix
     large = [mc.id for mc in load("selftest").cases if "large_kv" in mc.markers]
-    assert len(large) == 2  # 2^31 and 2^32 pools are part of the false-alarm run
+    assert len(large) == 2  # 2^31 and 2^32 pools (or the model's) are part of the false-alarm run
+
+
+def test_selftest_names_the_wrapped_region(
+        selftest: tuple[subprocess.CompletedProcess[str], dict[str, Any]]) -> None:
+    """The offset wraps fail on the high cases of the model the run used, and their failures
+    are placed in the pool regions past its boundaries (2^31 / 2^32, or 2^23 / 2^24)."""
+    _, data = selftest
+    b = data["offset_bits"]
+    entry = {f["name"]: f for f in data["faults"]}
+    int32, uint32 = entry["offset-wrap-int32"], entry["offset-wrap-uint32"]
+    assert {f["case_id"].split("-high")[1][:2] for f in int32["failing"]} == {str(b - 1), str(b)}
+    assert {f["case_id"].split("-high")[1][:2] for f in uint32["failing"]} == {str(b)}
+    assert f"2^{b - 1}..2^{b}" in int32["regions"] and f"above 2^{b}" in int32["regions"]
+    assert uint32["regions"] == [f"above 2^{b}"]
+    model = "" if b == 32 else f"-off{b}"  # the slug names a scale model
+    assert int32["minimal_slug"].endswith((f"-high{b - 1}{model}", f"-high{b}{model}"))
+    assert uint32["minimal_slug"].endswith(f"-high{b}{model}")
 
 
 def test_selftest_exit_codes_on_bad_input() -> None:
@@ -125,6 +161,7 @@ def test_selftest_exit_codes_on_bad_input() -> None:
     assert main(["--matrix", "no-such-matrix", "--no-search"]) == 2
     assert main(["--fault", "no-such-fault"]) == 2
     assert main(["--seeds", "0"]) == 2
+    assert main(["--offset-bits", "8"]) == 2 and main(["--offset-bits", "33"]) == 2
 
 
 def test_selftest_exits_1_when_a_fault_escapes(tmp_path: Path) -> None:
@@ -193,25 +230,30 @@ def _failing_requests(v: Verdict) -> set[int]:
     return {w.request for w in v.where if w.check == "nonfinite"}
 
 
-def test_offset_wraps_hit_exactly_the_requests_past_the_boundary() -> None:
+@pytest.mark.parametrize("bits", OFFSET_MODELS)
+def test_offset_wraps_hit_exactly_the_requests_past_the_boundary(bits: int) -> None:
     """Class 6: offsets computed from the pool's real page ids and page_bytes. The int32 wrap
     fails exactly the requests with a page past 2^31 (and names that region); requests wholly
-    below pass. The uint32 wrap passes the 2^31 pool and fails past 2^32."""
+    below pass. The uint32 wrap passes the 2^31 pool and fails past 2^32. (In the 24-bit
+    model: 2^23 and 2^24, the same pages and requests in megabyte pools.)"""
     reqs = tuple(Request(1, 9 + i) for i in range(8))
-    c31 = DecodeCase(requests=reqs, quant=FNUZ, placement=Placement("high", offset_bytes=1 << 31))
-    c32 = dataclasses.replace(c31, placement=Placement("high", offset_bytes=1 << 32))
-    low = dataclasses.replace(c31, placement=Placement())
-    past31 = _pages_past(c31, 1 << 31)
+    c31 = DecodeCase(requests=reqs, quant=FNUZ,
+                     placement=Placement("high", offset_bytes=1 << 31).scaled(bits))
+    c32 = dataclasses.replace(c31,
+                              placement=Placement("high", offset_bytes=1 << 32).scaled(bits))
+    low = dataclasses.replace(c31, placement=Placement(offset_bits=bits))
+    signed, unsigned = c31.placement.wraps
+    past31 = _pages_past(c31, signed)
     assert 0 < len(past31) < len(reqs)  # some requests below, some above: a real contrast
     v_low, v31 = verdicts("offset-wrap-int32", [low, c31])
     assert v_low.status == PASS, describe(v_low)
     assert v31.status == FAIL and "nonfinite" in failed(v31), describe(v31)
     assert _failing_requests(v31) == past31
-    assert all("2^31..2^32" in w.region for w in v31.where), describe(v31)
+    assert all(f"2^{bits - 1}..2^{bits}" in w.region for w in v31.where), describe(v31)
     u31, u32 = verdicts("offset-wrap-uint32", [c31, c32])
     assert u31.status == PASS, describe(u31)
-    assert u32.status == FAIL and _failing_requests(u32) == _pages_past(c32, 1 << 32)
-    assert all("above 2^32" in w.region for w in u32.where), describe(u32)
+    assert u32.status == FAIL and _failing_requests(u32) == _pages_past(c32, unsigned)
+    assert all(f"above 2^{bits}" in w.region for w in u32.where), describe(u32)
 
 
 def test_decode_over_actual_tokens_writes_past_the_decode_rows() -> None:

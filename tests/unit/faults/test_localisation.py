@@ -1,7 +1,11 @@
 """Failures point at the bug: for every fault in the catalogue, the first line of its failure
 card names the axis the fault acts along (heads, requests / segments, KV positions / pages,
 pool region, tokens, the schedule, the LSE, output rows, runs), on the selftest cases that
-expose it (mlacheck/backends/faults AXES is the fault's known footprint)."""
+expose it (mlacheck/backends/faults AXES is the fault's known footprint).
+
+The selftest's large-KV cases (pools past 2^31 / 2^32) run in a 24-bit offset model by default
+(Placement.scaled: 2^23 / 2^24, megabyte pools) and at full size in the slow tier
+(docs/ci.md "Test tiers")."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import pytest
 from mlacheck.backends.faults import AXES, FAULTS, make
 from mlacheck.harness import RunOptions, run_case
 from mlacheck.matrices import load
+from mlacheck.selftest import scale_case
 from mlacheck.verdict import CRASH, FAIL
 
 # The words each axis puts on the first line of the card.
@@ -19,6 +24,11 @@ AXIS_WORDS = {
     "lse": "LSE only", "schedule": "schedule:", "output": "output rows", "runs": "runs:",
 }
 SELFTEST = load("selftest").cases
+# Offset models: 24 bits (megabyte pools, the default run) and the real 32 (the slow tier:
+# GiB pools, one memory_heavy test at a time, tests/conftest.py).
+OFFSET_MODELS = [pytest.param(24, id="off24"),
+                 pytest.param(32, marks=[pytest.mark.slow, pytest.mark.large_kv,
+                                         pytest.mark.memory_heavy], id="off32")]
 
 
 def test_every_fault_has_a_known_axis() -> None:
@@ -58,20 +68,36 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
 }
 
 
-def _cases_of(name: str) -> list:
+def _cases_of(name: str, bits: int) -> list:
     spec = FAULTS[name]
-    own = [mc.case for mc in SELFTEST if mc.group in spec.groups]
+    own = [scale_case(mc.case, bits) for mc in SELFTEST if mc.group in spec.groups]
     return [c for c in own + [SMOKE[i].case for i in SMOKE_SAMPLE] if c.op in spec.ops]
 
 
-@pytest.mark.parametrize("name", sorted(n for n, a in AXES.items() if a != "crash"))
-def test_first_line_of_the_card_names_the_faults_axis(name: str) -> None:
+def _axis_params() -> list:
+    """One item per fault; two (the 24-bit model, the real offsets in the slow tier) for a
+    fault whose selftest groups hold large-KV cases. The faults run on the 98305-token decode
+    are memory_heavy (~1 GB beside the worker: one such test at a time, tests/conftest.py)."""
+    out = []
+    for name in sorted(n for n, a in AXES.items() if a != "crash"):
+        groups = FAULTS[name].groups
+        heavy = [pytest.mark.memory_heavy] if "decode-long-kv" in groups else []
+        if any("large_kv" in mc.markers for mc in SELFTEST if mc.group in groups):
+            out += [pytest.param(name, p.values[0], marks=[*p.marks, *heavy],
+                                 id=f"{name}-{p.id}") for p in OFFSET_MODELS]
+        else:
+            out.append(pytest.param(name, 32, marks=heavy, id=name))
+    return out
+
+
+@pytest.mark.parametrize(("name", "bits"), _axis_params())
+def test_first_line_of_the_card_names_the_faults_axis(name: str, bits: int) -> None:
     """Every failing case of the fault's selftest groups and of the smoke sample."""
     spec = FAULTS[name]
     fault = make(name)  # one instance over the cases, in order (stateful faults)
     opts = RunOptions(repeat=2 if spec.determinism else 1)
     failing, wrong, gaps = 0, [], set()
-    for case in _cases_of(name):
+    for case in _cases_of(name, bits):
         v = run_case(case, fault, opts)
         if v.status != FAIL:
             continue
@@ -139,14 +165,19 @@ def test_requests_the_tail_explains_are_attributed_and_the_schedule_comes_second
     assert "; schedule: work 1 on CU 1 has kv_offset 33, expected 44" in first, first
 
 
-def test_a_wrapped_offset_is_the_pool_not_a_tail_read() -> None:
+@pytest.mark.parametrize("bits", OFFSET_MODELS)
+def test_a_wrapped_offset_is_the_pool_not_a_tail_read(bits: int) -> None:
     """A 32-bit offset wrap reads NaN for whole pages, tails included: the tail reading is
     not claimed (the requests below 2^31 keep their NaN tails and pass; the same tokens on
-    low pages pass) and the card names the pool region."""
-    for prefix in ("dec-b8-kv9-16-h16-p16-e4m3fnuz-amax-high31",
-                   "dec-b8-kv9-16-h16-p16-e4m3fnuz-amax-high32"):
-        first = _card("offset-wrap-int32", prefix)
+    low pages pass) and the card names the pool region. (2^23 in the 24-bit model.)"""
+    large = [scale_case(mc.case, bits) for mc in SELFTEST if mc.group == "decode-large-kv"]
+    assert [c.placement.offset_bytes for c in large] == [1 << (bits - 1), 1 << bits]
+    for case in large:
+        v = run_case(case, make("offset-wrap-int32"))
+        assert v.status == FAIL
+        first = v.summary().splitlines()[0].split(" -- ", 1)[1]
         assert first.startswith("pool region") and "poisoned tail" not in first, first
+        assert f"2^{bits - 1}" in first, first
 
 
 def test_one_unit_failing_in_the_batch_passes_alone_in_the_singular() -> None:

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# `mlacheck run` subprocesses with their own workers: 0.5-0.8 GB each (tests/conftest.py)
+pytestmark = pytest.mark.memory_medium
+
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 
 # Two decode requests and a two-segment prefill: request/segment 1 exists in each.
@@ -51,6 +54,7 @@ def tiny(tmp_path: Path) -> Path:
     return p
 
 
+@pytest.mark.memory_heavy  # the smoke matrix's 98305-token decode: one at a time (tests/conftest.py)
 def test_run_smoke_on_default_backend_passes_and_writes_report(tmp_path: Path) -> None:
     res = tmp_path / "out" / "results.jsonl"
     r = mlacheck("run", "--results", str(res))
@@ -181,6 +185,7 @@ def test_resume_runs_suite_errors_again(tiny: Path, tmp_path: Path) -> None:
     assert last["case_id"] == errored["case_id"] and last["status"] == "PASS"
 
 
+@pytest.mark.memory_heavy  # the smoke matrix's 98305-token decode: one at a time (tests/conftest.py)
 def test_terminal_shows_progress_without_pytest_and_xdist_noise(tiny: Path, tmp_path: Path) -> None:
     """Issue 16: no "bringing up nodes..." lines, no "[gw0] linux -- Python ..." banner above
     each failure card, no assert-rewrite or benchmark warnings; progress lines per backend x

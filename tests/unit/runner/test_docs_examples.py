@@ -43,6 +43,7 @@ def test_public_api_names_resolve_and_each_is_documented():
         assert f"`{name}" in text, f"{name} is public but docs/backends.md does not mention it"
 
 
+@pytest.mark.memory_heavy  # the smoke matrix's 98305-token decode (tests/conftest.py)
 @pytest.mark.timeout(600)
 def test_backend_example_passes_smoke_decode_and_its_check_example_runs():
     backend_code, check_code = _blocks()[:2]
@@ -52,6 +53,7 @@ def test_backend_example_passes_smoke_decode_and_its_check_example_runs():
     assert scope["ran"], "the example backend ran no smoke decode case"
 
 
+@pytest.mark.memory_heavy  # the smoke matrix's 98305-token decode (tests/conftest.py)
 def test_the_check_example_catches_a_broken_example_backend():
     """The same check code must fail when the example backend is wrong (scale ignored)."""
     backend_code, check_code = _blocks()[:2]

@@ -22,6 +22,9 @@ from mlacheck.outcome import CoveragePolicy, Item, decide
 from mlacheck.spec import DecodeCase, PrefillCase, Request, Segment, case_from_json
 from mlacheck.verdict import CRASH, ERROR, FAIL, PASS, SKIP
 
+# `mlacheck run` subprocesses with their own workers: 0.5-0.8 GB each (tests/conftest.py)
+pytestmark = pytest.mark.memory_medium
+
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 TINY = """
 name: tiny
@@ -435,10 +438,16 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def test_adding_a_defaulted_field_to_a_nested_type_keeps_ids_and_data() -> None:
+@pytest.mark.parametrize("bits", [
+    pytest.param(24, id="off24"),
+    pytest.param(32, marks=[pytest.mark.slow, pytest.mark.large_kv, pytest.mark.memory_heavy],
+                 id="off32")])
+def test_adding_a_defaulted_field_to_a_nested_type_keeps_ids_and_data(bits: int) -> None:
     """The same holds one level down: a field added to Placement, Quant, Paging, MLADims,
     Segment or Request keeps the pinned ids (test_case_ids_are_stable's), the seeds and the
-    input bytes of every existing case."""
+    input bytes of every existing case. The pinned prefill's K and V pools sit past 2^31 (two
+    2 GiB pools per build): its bytes are compared at full size in the slow tier, and in the
+    24-bit offset model (Placement.scaled: the same case at 2^23, MiB pools) by default."""
     from mlacheck.spec import DEEPSEEK_V3, MLADims, Paging, Placement, Quant
 
     placement2, quant2, paging2, dims2, segment2, request2 = map(_with_new_field, (
@@ -461,9 +470,20 @@ def test_adding_a_defaulted_field_to_a_nested_type_keeps_ids_and_data() -> None:
     assert dec_old.id == dec_new.id == "dec-b1-kv100-h4-p16-bf16-shuffled-7be7dff0"
     assert dec_new.seed_material == 558021938110956826
     assert pf_old.seed_material == pf_new.seed_material
+    pf_old, pf_new = (dataclasses.replace(c, placement=c.placement.scaled(bits))
+                      for c in (pf_old, pf_new))
+    assert type(pf_new.placement) is placement2 and pf_old.id == pf_new.id
+    assert pf_old.seed_material == pf_new.seed_material
     a, b = inputs.build(pf_old), inputs.build(pf_new)
+    assert a.k_pool is not None and a.v_pool is not None
+    assert b.k_pool is not None and b.v_pool is not None
+    assert a.k_pool.nbytes > pf_old.placement.offset_bytes  # really past 2^31 (or 2^23)
     for x, y in ((a.q, b.q), (a.k, b.k), (a.v, b.v)):
         assert torch.equal(_bits(x.stored), _bits(y.stored))
+    for p, r in ((a.k_pool, b.k_pool), (a.v_pool, b.v_pool)):
+        assert torch.equal(p.table.indices, r.table.indices)
+        assert torch.equal(_bits(p.data), _bits(r.data))
+    del a, b
     a, b = inputs.build(dec_old), inputs.build(dec_new)
     assert torch.equal(_bits(a.q.stored), _bits(b.q.stored))
     assert torch.equal(_bits(a.pool.data), _bits(b.pool.data))
