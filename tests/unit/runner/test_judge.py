@@ -260,3 +260,24 @@ def test_a_judge_failure_is_the_suites_error_and_a_localisation_failure_keeps_th
                                                      "segment", "segments", "pages", "pool"}))
         v = run(Planted(scale))
     assert v.status == FAIL and "same device" in v.metrics["localisation_error"]
+
+
+def test_the_last_kept_case_is_given_back_when_the_process_exits() -> None:
+    """A worker ends with its last case's data kept: the reservation goes back at exit, while
+    the interpreter is whole (not in a garbage-collection pass after `open` is gone)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from mlacheck import harness\n"
+        "from mlacheck.backends.torch_ref import TorchBackend\n"
+        "from mlacheck.spec import DecodeCase, Request\n"
+        "case = DecodeCase(requests=(Request(1, 40),), num_heads=4)\n"
+        "harness.run_case(case, TorchBackend(), harness.RunOptions(share=True))\n"
+        "assert len(harness._SHARED) == 1\n"
+        "harness._SHARED[0].hold.callback(lambda: print('given back', open is not None))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "given back True", (proc.stdout, proc.stderr)
+    assert "Error" not in proc.stderr, proc.stderr
