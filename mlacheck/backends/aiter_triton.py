@@ -41,10 +41,14 @@ import torch
 from mlacheck import layouts
 from mlacheck.backends import aiter_triton_compat as compat
 from mlacheck.backends.base import Capability, CaseRule, Output, Range
-from mlacheck.backends.toolkit import lse_natural, lse_tokens_heads, signature_problem
+from mlacheck.backends.toolkit import (  # topk_to_global_slots: re-exported (tests, users)
+    lse_natural,
+    lse_tokens_heads,
+    signature_problem,
+    topk_to_global_slots,
+)
 from mlacheck.fp8 import format_of
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
-from mlacheck.kvcache import PageTable
 from mlacheck.spec import Case, DecodeCase, SparseDecodeCase
 
 # --------------------------------------------------------------------------- AITER modules
@@ -151,34 +155,6 @@ def sparse_rows_nonempty(case: Case) -> str | None:
 
 
 # --------------------------------------------------------------------------- pure helpers
-
-
-def topk_to_global_slots(topk: torch.Tensor, qo_indptr: torch.Tensor,
-                         table: PageTable) -> torch.Tensor:
-    """Logical top-k positions -> global KV-cache slots `page * page_size + offset`.
-
-    topk [T, K] holds, per query token, positions in that token's request (-1 = none);
-    AITER's sparse kernel wants global slots of the pool (it does not consult the block
-    table). -1 stays -1. Returns int32 on topk's device.
-    """
-    dev = topk.device
-    idx = topk.detach().long().cpu()
-    q_lens = (qo_indptr[1:] - qo_indptr[:-1]).long().cpu()
-    if int(q_lens.sum()) != idx.shape[0]:
-        raise ValueError(f"topk has {idx.shape[0]} rows for {int(q_lens.sum())} query tokens")
-    req = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]
-    valid = idx >= 0
-    kv_lens = table.kv_lens[req]  # [T]
-    if bool((valid & (idx >= kv_lens[:, None])).any()):
-        raise ValueError("a top-k position is past its request's kv_len")
-    ps = table.page_size
-    block_table, _ = table.to_vllm(pad_value=0)
-    safe = idx.clamp(min=0)
-    pages = block_table.long()[req[:, None], safe // ps]
-    slots = pages * ps + safe % ps
-    if slots.numel() and int(slots.max()) >= 2**31:
-        raise ValueError("global slot ids do not fit int32")
-    return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32).to(dev)
 
 
 def lse_from_segments(segm_max: torch.Tensor, segm_expsum: torch.Tensor,

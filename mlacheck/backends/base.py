@@ -9,8 +9,8 @@ out [T, H, Dv], LSE [T, H] in natural log (or None), in the order of the case's 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -69,7 +69,16 @@ class Capability:
     # Every request of a batch must have the same q_len (kernels that reshape q by q_len).
     uniform_q_len: bool = False
     rules: tuple[CaseRule, ...] = ()
+    # Why a restricted field is restricted, by field name ("scale_policies": "the kernel's
+    # cache keeps ... in bf16"): appended to the SKIP reason that field gives, so the SKIP
+    # says the kernel's reason as well as the value it refused.
+    reasons: Mapping[str, str] = field(default_factory=dict)
     notes: str = ""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.reasons) - {f.name for f in fields(self)}
+        if unknown:  # a misspelt key would never be shown
+            raise ValueError(f"Capability.reasons names no field: {', '.join(sorted(unknown))}")
 
     def why_not(self, case: Case, device: str) -> str | None:
         """None if supported, else a one-line reason naming the capability."""
@@ -79,58 +88,63 @@ class Capability:
         if dev not in self.devices:
             return f"device {dev} not supported (devices: {', '.join(self.devices)})"
         q = case.quant
-        checks: list[tuple[bool, str]] = [
-            (_ok(q.q, self.q_formats), f"q format {q.q} not in {_fmt(self.q_formats)}"),
-            (_ok(q.kv, self.kv_formats), f"kv format {q.kv} not in {_fmt(self.kv_formats)}"),
-            (_ok((q.q, q.kv), self.format_pairs),
+        # (capability field, ok, reason)
+        checks: list[tuple[str, bool, str]] = [
+            ("q_formats", _ok(q.q, self.q_formats), f"q format {q.q} not in {_fmt(self.q_formats)}"),
+            ("kv_formats", _ok(q.kv, self.kv_formats),
+             f"kv format {q.kv} not in {_fmt(self.kv_formats)}"),
+            ("format_pairs", _ok((q.q, q.kv), self.format_pairs),
              f"q/kv formats {q.q}/{q.kv} not in {_fmt(self.format_pairs)}"),
-            (case.num_heads % self.heads_multiple_of == 0,
+            ("heads_multiple_of", case.num_heads % self.heads_multiple_of == 0,
              f"{case.num_heads} heads not a multiple of {self.heads_multiple_of}"),
-            (not q.is_fp8 or _ok(q.scale, self.scale_policies),
+            ("scale_policies", not q.is_fp8 or _ok(q.scale, self.scale_policies),
              f"fp8 scale policy {q.scale} not in {_fmt(self.scale_policies)}"),
-            (not q.per_token or self.per_token_scales, "per-token scales not supported"),
-            (_ok(case.num_heads, self.head_counts),
+            ("per_token_scales", not q.per_token or self.per_token_scales,
+             "per-token scales not supported"),
+            ("head_counts", _ok(case.num_heads, self.head_counts),
              f"{case.num_heads} heads not in {_fmt(self.head_counts)}"),
-            (self.empty_requests or not case.has_empty,
+            ("empty_requests", self.empty_requests or not case.has_empty,
              "empty requests/segments (q_len 0) not supported"),
         ]
         if isinstance(case, PrefillCase):
             checks += [
-                (case.causal in self.causal, f"causal={case.causal} not supported"),
-                (not case.return_lse or self.lse, "LSE output not supported"),
-                (not case.soft_cap or self.soft_cap, "soft cap not supported"),
-                (all(s.q_len in self.q_len for s in case.segments if s.q_len),
+                ("causal", case.causal in self.causal, f"causal={case.causal} not supported"),
+                ("lse", not case.return_lse or self.lse, "LSE output not supported"),
+                ("soft_cap", not case.soft_cap or self.soft_cap, "soft cap not supported"),
+                ("q_len", all(s.q_len in self.q_len for s in case.segments if s.q_len),
                  f"segment q_len outside {self.q_len}"),
-                (self.max_batch is None or len(case.segments) <= self.max_batch,
+                ("max_batch", self.max_batch is None or len(case.segments) <= self.max_batch,
                  f"{len(case.segments)} segments > max batch {self.max_batch}"),
             ]
             if case.paging is not None:
                 checks += [
-                    (_ok(case.paging.page_size, self.page_sizes),
+                    ("page_sizes", _ok(case.paging.page_size, self.page_sizes),
                      f"page size {case.paging.page_size} not in {_fmt(self.page_sizes)}"),
-                    (_ok(case.paging.layout, self.layouts),
+                    ("layouts", _ok(case.paging.layout, self.layouts),
                      f"layout {case.paging.layout} not in {_fmt(self.layouts)}"),
                 ]
         else:
             assert isinstance(case, DecodeCase | SparseDecodeCase)
             checks += [
-                (_ok(case.page_size, self.page_sizes),
+                ("page_sizes", _ok(case.page_size, self.page_sizes),
                  f"page size {case.page_size} not in {_fmt(self.page_sizes)}"),
-                (_ok(case.layout, self.layouts),
+                ("layouts", _ok(case.layout, self.layouts),
                  f"layout {case.layout} not in {_fmt(self.layouts)}"),
-                (all(r.q_len in self.q_len for r in case.requests if r.q_len),
+                ("q_len", all(r.q_len in self.q_len for r in case.requests if r.q_len),
                  f"q_len {case.max_q_len} outside {self.q_len}"),
-                (self.max_batch is None or len(case.requests) <= self.max_batch,
+                ("max_batch", self.max_batch is None or len(case.requests) <= self.max_batch,
                  f"batch {len(case.requests)} > max batch {self.max_batch}"),
-                (not self.uniform_q_len or len({r.q_len for r in case.requests if r.q_len}) <= 1,
+                ("uniform_q_len",
+                 not self.uniform_q_len or len({r.q_len for r in case.requests if r.q_len}) <= 1,
                  "mixed q_len in one batch (the kernel takes one q_len per batch)"),
             ]
             if isinstance(case, SparseDecodeCase):
-                checks.append((self.max_topk is None or case.topk <= self.max_topk,
+                checks.append(("max_topk", self.max_topk is None or case.topk <= self.max_topk,
                                f"topk {case.topk} > max {self.max_topk}"))
-        for ok, reason in checks:
+        for name, ok, reason in checks:
             if not ok:
-                return reason
+                why = self.reasons.get(name)
+                return f"{reason} ({why})" if why else reason
         for rule in self.rules:
             why = rule(case)
             if why:

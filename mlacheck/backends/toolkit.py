@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from mlacheck.kvcache import PageTable
+
 
 def signature_problem(function: Callable[..., Any], qualname: str,
                       passed: Sequence[str]) -> str | None:
@@ -60,6 +62,20 @@ def lse_natural(lse: torch.Tensor, base: float = math.e) -> torch.Tensor:
     return lse if base == math.e else lse * math.log(base)
 
 
+def lse_empty_rows(lse: torch.Tensor, empty: torch.Tensor,
+                   library_value: float = math.inf) -> torch.Tensor:
+    """mlacheck's LSE of a row that sees no key is -inf (output 0); FlashMLA's sparse decode
+    writes +inf there ("lonely" query rows). `empty` [T] or [T, H] marks the rows that see
+    no key (known from the inputs, e.g. a top-k row of -1 only): `library_value` there
+    becomes -inf. Elsewhere nothing changes, so a +inf where a row does see keys (an
+    overflow) still reaches the judge."""
+    empty = empty.to(lse.device)
+    if empty.dim() < lse.dim():
+        empty = empty.reshape(*empty.shape, *([1] * (lse.dim() - empty.dim())))
+    hit = empty & (lse == library_value)
+    return torch.where(hit, torch.full_like(lse, -math.inf), lse)
+
+
 def lse_tokens_heads(lse: torch.Tensor, total_q: int, heads: int, *,
                      heads_first: bool = False) -> torch.Tensor:
     """[T, H] from the layouts libraries use: [T, H], [H, T], [T, 1, H, 1] or [B, H, S]
@@ -82,6 +98,34 @@ def lse_tokens_heads(lse: torch.Tensor, total_q: int, heads: int, *,
     if lse.numel() == total_q * heads:
         return lse.reshape(total_q, heads)
     raise ValueError(f"LSE of shape {tuple(lse.shape)} is not [{total_q} tokens, {heads} heads]")
+
+
+def topk_to_global_slots(topk: torch.Tensor, qo_indptr: torch.Tensor,
+                         table: PageTable) -> torch.Tensor:
+    """Logical top-k positions -> global KV-cache slots `page * page_size + offset`.
+
+    topk [T, K] holds, per query token, positions in that token's request (-1 = none);
+    AITER's and FlashMLA's sparse kernels want global slots of the pool (they do not
+    consult a block table). -1 stays -1. Returns int32 on topk's device.
+    """
+    dev = topk.device
+    idx = topk.detach().long().cpu()
+    q_lens = (qo_indptr[1:] - qo_indptr[:-1]).long().cpu()
+    if int(q_lens.sum()) != idx.shape[0]:
+        raise ValueError(f"topk has {idx.shape[0]} rows for {int(q_lens.sum())} query tokens")
+    req = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]
+    valid = idx >= 0
+    kv_lens = table.kv_lens[req]  # [T]
+    if bool((valid & (idx >= kv_lens[:, None])).any()):
+        raise ValueError("a top-k position is past its request's kv_len")
+    ps = table.page_size
+    block_table, _ = table.to_vllm(pad_value=0)
+    safe = idx.clamp(min=0)
+    pages = block_table.long()[req[:, None], safe // ps]
+    slots = pages * ps + safe % ps
+    if slots.numel() and int(slots.max()) >= 2**31:
+        raise ValueError("global slot ids do not fit int32")
+    return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32).to(dev)
 
 
 def library_version(distributions: Sequence[str], module: ModuleType | None = None) -> str:

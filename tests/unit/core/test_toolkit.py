@@ -8,7 +8,12 @@ import types
 import pytest
 import torch
 
-from mlacheck.backends.toolkit import lse_natural, lse_tokens_heads, signature_problems
+from mlacheck.backends.toolkit import (
+    lse_empty_rows,
+    lse_natural,
+    lse_tokens_heads,
+    signature_problems,
+)
 
 
 def test_lse_natural_converts_base_2_and_keeps_natural_log() -> None:
@@ -26,6 +31,16 @@ def test_every_library_layout_becomes_tokens_by_heads(layout: str) -> None:
              "TH1": want.reshape(t, h, 1),
              "BHS": want.reshape(2, 3, h).transpose(1, 2)}[layout]  # B=2 batches of S=3
     assert torch.equal(lse_tokens_heads(given, t, h), want)
+
+
+def test_lse_of_rows_without_keys_becomes_minus_inf_there_only() -> None:
+    inf = math.inf
+    lse = torch.tensor([[inf, inf], [1.0, inf], [inf, 2.0]])
+    empty = torch.tensor([True, False, False])  # token 0 sees no key
+    got = lse_empty_rows(lse, empty)
+    # token 1's +inf is an overflow where keys exist: it must reach the judge as it is
+    assert torch.equal(got, torch.tensor([[-inf, -inf], [1.0, inf], [inf, 2.0]]))
+    assert torch.equal(lse_empty_rows(lse, torch.zeros(3, 2, dtype=torch.bool)), lse)
 
 
 def test_heads_first_is_transposed_even_when_square() -> None:

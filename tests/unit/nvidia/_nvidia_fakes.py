@@ -2,6 +2,8 @@
 
 Each fake computes attention in fp32 from the arguments *as the real library reads them*
 (FlashMLA: [batch, s_q, heads, 576] q, block_table + cache_seqlens, LSE [b, h, s_q] natural;
+FlashMLA sparse: the 656-byte V3.2 cache decoded as the sm_90 kernel does, global-slot
+indices with -1 masked, LSE +inf for a row without a valid index;
 FlashInfer: qo/kv indptr + kv_indices + kv_len_arr, ckv/kpe as separate strided tensors,
 bottom-right causal ragged prefill, LSE base 2), with the signatures of the real functions
 (FlashMLA main, flashinfer-python 0.2.14). A `bug=` argument plants one fault, so the tests
@@ -45,18 +47,47 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
 # --------------------------------------------------------------------------- flash_mla
 
 
+FLASH_MLA_SPARSE_BUGS = ("ignores-tile-scales", "tile0-scale-for-all", "minus-one-reads-token-0")
+V32_BYTES = 656  # 512 fp8 NoPE + 4 fp32 scales + 64 bf16 RoPE (flash_mla_interface.py)
+
+
+def v32_decode(k_cache: torch.Tensor, bug: str = "") -> torch.Tensor:
+    """[blocks, block_size, 1, 656] V3.2 cache -> [blocks * block_size, 576] fp32, as the sm_90
+    kernel dequantises it: the fp32 scale converted to bf16, (fp8 -> bf16) x scale in bf16,
+    RoPE read as bf16 (FlashMLA's tests/quant.py `dequantize_k_cache`, in the kernel's
+    dtypes). `bug` plants a scale fault."""
+    raw = k_cache.view(torch.uint8).reshape(-1, V32_BYTES)
+    nope = raw[:, :512].view(torch.float8_e4m3fn).to(torch.bfloat16).view(-1, 4, 128)
+    scales = raw[:, 512:528].contiguous().view(torch.float32).to(torch.bfloat16)  # [n, 4]
+    if bug == "ignores-tile-scales":
+        scales = torch.ones_like(scales)
+    elif bug == "tile0-scale-for-all":
+        scales = scales[:, :1].expand(-1, 4)
+    rope = raw[:, 528:].contiguous().view(torch.bfloat16)
+    return torch.cat([(nope * scales[..., None]).reshape(-1, 512), rope], dim=1).float()
+
+
 def fake_flash_mla(bug: str = "") -> types.ModuleType:
     mod = types.ModuleType("flash_mla")
     mod.__version__ = "1.0.0+fake"
 
     def get_mla_metadata(*args: Any, **kwargs: Any) -> tuple[Any, None]:
-        return types.SimpleNamespace(tile_scheduler_metadata=None), None
+        return types.SimpleNamespace(tile_scheduler_metadata=None, config=None), None
 
     def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,  # noqa: ANN001, ANN202
                                tile_scheduler_metadata, num_splits=None, softmax_scale=None,
                                causal=False, is_fp8_kvcache=False, indices=None,
                                attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None,
                                topk_length=None, extra_topk_length=None):
+        sched = tile_scheduler_metadata
+        config = (tuple(q.shape[:3]), tuple(k_cache.shape[1:3]), causal, is_fp8_kvcache,
+                  None if indices is None else indices.shape[-1])
+        assert sched.config in (None, config), "sched_meta reused with other arguments"
+        sched.config = config
+        if indices is not None:
+            assert not causal, "causal must be False when sparse attention is enabled"
+            assert is_fp8_kvcache, "is_fp8_kvcache must be True when sparse attention is enabled"
+            return sparse_decode(q, k_cache, indices, topk_length, head_dim_v, softmax_scale)
         assert k_cache.shape[1] == 64, "page_block_size must be 64"
         b, s_q, h, _ = q.shape
         out = torch.empty(b, s_q, h, head_dim_v, dtype=q.dtype)
@@ -69,6 +100,40 @@ def fake_flash_mla(bug: str = "") -> types.ModuleType:
             o, l = attend(q[r], kv, kv[..., :head_dim_v], softmax_scale, causal)
             out[r], lse[r] = o.to(q.dtype), l.transpose(0, 1)
         return out, lse
+
+    def sparse_decode(q, k_cache, indices, topk_length, head_dim_v, softmax_scale):  # noqa: ANN001, ANN202
+        """csrc/api/sparse_decode.h's checks, then the V3.2 sparse decode in fp32."""
+        assert q.dim() == 4 and k_cache.dim() == 4 and indices.dim() == 3
+        b, s_q, h, d = q.shape
+        assert q.dtype == torch.bfloat16, "q must be bf16"
+        assert h in (64, 128), f"Unsupported h_q: {h}"
+        assert d == 576 and head_dim_v == 512, "V3.2: head_size_k 576, head_size_v 512"
+        assert k_cache.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8), \
+            "key must have dtype fp8_e4m3fn, int8 or uint8"
+        assert k_cache.shape[2:] == (1, V32_BYTES), f"kv shape {tuple(k_cache.shape)}"
+        assert k_cache.stride(1) == V32_BYTES, "The whole block must be contiguous"
+        assert indices.dtype == torch.int32 and indices.shape == (b, s_q, indices.shape[2])
+        assert indices.stride(-1) == 1 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
+        assert topk_length is None, "the adapter pads with -1, it passes no topk_length"
+        kv = v32_decode(k_cache, bug)  # [blocks * block_size, 576]
+        idx = indices.long().reshape(b * s_q, -1)
+        if bug == "minus-one-reads-token-0":
+            idx = idx.masked_fill(idx == -1, 0)
+        valid = idx != -1  # the V3.2 kernel masks index -1 (is_index_valid: index != -1)
+        assert bool((idx[valid] >= 0).all() and (idx[valid] < kv.shape[0]).all()), \
+            "index outside the cache (the kernel would read out of bounds)"
+        keys = torch.where(valid[..., None], kv[idx.clamp(min=0)], 0.0)  # -1: zeroed, unread
+        logits = torch.einsum("thd,tkd->thk", q.float().reshape(b * s_q, h, d), keys)
+        logits = (logits * softmax_scale).masked_fill(~valid[:, None, :], float("-inf"))
+        lse = torch.logsumexp(logits, -1)  # [t, h]
+        lonely = torch.isneginf(lse)
+        p = torch.exp(logits - lse.masked_fill(lonely, 0.0)[..., None])
+        out = torch.einsum("thk,tkd->thd", p, keys[..., :head_dim_v])
+        out = out.masked_fill(lonely[..., None], 0.0)
+        lse = lse.masked_fill(lonely, float("inf"))
+        # sparse_decode.h allocates lse {b, s_q, h_q} and returns lse.transpose(1, 2)
+        return (out.to(torch.bfloat16).reshape(b, s_q, h, head_dim_v),
+                lse.reshape(b, s_q, h).transpose(1, 2))
 
     mod.get_mla_metadata = get_mla_metadata
     mod.flash_mla_with_kvcache = flash_mla_with_kvcache
