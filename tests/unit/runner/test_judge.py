@@ -281,3 +281,26 @@ def test_the_last_kept_case_is_given_back_when_the_process_exits() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "given back True", (proc.stdout, proc.stderr)
     assert "Error" not in proc.stderr, proc.stderr
+
+
+def test_kept_inputs_go_back_when_the_next_test_is_another_case() -> None:
+    """The pytest plugin keeps a case's inputs only while the next test is the same case (on
+    another backend); before any other test they are given back (a worker kept the
+    98305-token decode's ~460 MB through later, unrelated tests)."""
+    from types import SimpleNamespace
+
+    from mlacheck import pytest_plugin
+
+    def node(case):  # noqa: ANN001, ANN202 - a matrix item as the plugin sees it
+        return SimpleNamespace(callspec=SimpleNamespace(params={"mla_item": SimpleNamespace(
+            case=case)}))
+
+    plain = SimpleNamespace()  # a test that is not a matrix item
+    harness.release_shared()
+    try:
+        for nxt, kept in ((node(DECODE), 1), (node(PREFILL), 0), (plain, 0), (None, 0)):
+            harness.run_case(DECODE, TorchBackend(), harness.RunOptions(share=True))
+            pytest_plugin.pytest_runtest_teardown(node(DECODE), nxt)
+            assert len(harness._SHARED) == kept, nxt
+    finally:
+        harness.release_shared()
