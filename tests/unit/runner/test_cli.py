@@ -185,11 +185,11 @@ def test_resume_runs_suite_errors_again(tiny: Path, tmp_path: Path) -> None:
     assert last["case_id"] == errored["case_id"] and last["status"] == "PASS"
 
 
-@pytest.mark.memory_heavy  # the smoke matrix's 98305-token decode: one at a time (tests/conftest.py)
 def test_terminal_shows_progress_without_pytest_and_xdist_noise(tiny: Path, tmp_path: Path) -> None:
     """Issue 16: no "bringing up nodes..." lines, no "[gw0] linux -- Python ..." banner above
     each failure card, no assert-rewrite or benchmark warnings; progress lines per backend x
-    op with a running FAIL count once a run has enough items."""
+    op with a running FAIL count once a run has enough items. (Smoke's 98305-token decode is
+    left out: 1-2 GB for nothing this test looks at.)"""
     r = mlacheck("run", "-b", "bad_backends:perturb_request", "--matrix", str(tiny), "--results",
                  str(tmp_path / "r.jsonl"), "--no-report", "-n", "2")
     assert r.returncode == 1
@@ -199,7 +199,7 @@ def test_terminal_shows_progress_without_pytest_and_xdist_noise(tiny: Path, tmp_
         assert noise not in out, noise
     assert "FAIL perturb-request dec-" in r.stdout  # the card itself is there
     r = mlacheck("run", "-b", "torch", "-b", "bad_backends:perturb_request", "--matrix", "smoke",
-                 "-k", "dec- or pf-s2", "--results", str(tmp_path / "p.jsonl"), "--no-report")
+                 "-k", "(dec- or pf-s2) and not kv98305", "--results", str(tmp_path / "p.jsonl"), "--no-report")
     lines = [x for x in r.stdout.splitlines() if x.startswith("mlacheck: ") and " items (" in x]
     assert lines and "FAIL " in lines[-1] and lines[-1].split()[1].split("/")[0] == (
         lines[-1].split()[1].split("/")[1])  # the last line: all items done
