@@ -10,12 +10,15 @@ Deselected here, not by `addopts = -m "not slow"` in pyproject.toml: that file i
 file of `mlacheck run` and `pytest tests/kernels` in a checkout, where `slow` marks nightly
 matrix cases that must keep running.
 
-Memory: two xdist workers (~0.8 GB each) leave ~1.2 GB of the default tier's 3 GB for what
-their tests add. Tests marked `memory_heavy` (1-2 GB more: the 98305-token decode, the selftest)
-hold a cross-worker file lock exclusively, those marked `memory_medium` (0.5-0.8 GB: an
-`mlacheck run` subprocess with its own workers) hold it shared: a heavy test runs beside light
-ones only. Each test's freed heap goes back to the OS when it ends (glibc `malloc_trim`), so a
-worker does not carry one test's peak into the next.
+Memory: two xdist workers (~0.7 GB each) leave ~1.5 GB of the default tier's 3 GB for what
+their tests add. Tests marked `memory_heavy` (1-2 GB more: the 98305-token decode, the
+selftest, premerge in one process) hold a cross-worker file lock exclusively and every other
+test holds it shared, so a heavy test runs while the other worker waits (measured: beside a
+light test, one still peaked at 3.06 GB of tree PSS). A turnstile lock in front makes a waiting
+heavy test go next, and a test that turns heavy midway (the first user of the session's
+selftest fixture) trades its shared hold for an exclusive one. Each test's freed heap goes
+back to the OS when it ends (glibc `malloc_trim`), so a worker does not carry one test's peak
+into the next.
 """
 
 from __future__ import annotations
@@ -26,22 +29,21 @@ import ctypes.util
 import fcntl
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
 KERNELS = Path(__file__).parent / "kernels"  # the validation matrix: its markers are data
 # A matrix item whose case is estimated above this (mlacheck.footprint) is memory_heavy.
 HEAVY_CASE_BYTES = 1 << 30
-_held: list[bool] = []  # this process holds the memory lock (its mode: exclusive or not)
+_held: list[bool] = []  # the modes (exclusive or not) this process holds the memory lock in
+_lock_file: list[IO[str]] = []  # the open lock file while held
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "memory_heavy: needs 1-2 GB beside its worker; runs beside light tests "
-                   "only (tests/conftest.py)")
-    config.addinivalue_line(
-        "markers", "memory_medium: needs 0.5-0.8 GB beside its worker; never beside a "
-                   "memory_heavy test (tests/conftest.py)")
+        "markers", "memory_heavy: needs 1-2 GB beside its worker; runs while the other "
+                   "workers wait (tests/conftest.py)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -66,22 +68,46 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def memory_lock(tmp_path_factory: pytest.TempPathFactory,
                 testrun_uid: str) -> Callable[[bool], contextlib.AbstractContextManager[None]]:
     """`with memory_lock(exclusive):` across this run's xdist workers: exclusive for a heavy
-    test, shared for a medium one."""
-    path = tmp_path_factory.getbasetemp().parent / f"memory-{testrun_uid}.lock"
+    test, shared for every other one."""
+    base = tmp_path_factory.getbasetemp().parent
+    path, turnstile = base / f"memory-{testrun_uid}.lock", base / f"memory-{testrun_uid}.next"
+
+    def take(lock: IO[str], exclusive: bool) -> None:
+        # through the turnstile: a heavy test waiting for the lock holds it, so light tests
+        # queue behind it instead of keeping a shared hold alive forever
+        with open(turnstile, "w") as gate:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
 
     @contextlib.contextmanager
     def held(exclusive: bool) -> Iterator[None]:
-        if _held:  # re-entered in this process (flock would wait for itself)
-            assert _held[0] or not exclusive, "a shared holder asked for the exclusive lock"
-            yield
-            return
-        with open(path, "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            _held.append(exclusive)
+        if _held and (_held[-1] or not exclusive):  # already held in a mode that covers it
+            _held.append(_held[-1])
             try:
                 yield
             finally:
                 _held.pop()
+            return
+        if _held:  # shared, now exclusive: trade the hold (flock converts; not atomically)
+            lock = _lock_file[-1]
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            take(lock, True)
+            _held.append(True)
+            try:
+                yield
+            finally:
+                _held.pop()
+                fcntl.flock(lock, fcntl.LOCK_SH)
+            return
+        with open(path, "w") as lock:
+            take(lock, exclusive)
+            _held.append(exclusive)
+            _lock_file.append(lock)
+            try:
+                yield
+            finally:
+                _held.pop()
+                _lock_file.pop()
     return held
 
 
@@ -103,10 +129,6 @@ def _give_heap_back() -> None:
 @pytest.fixture(autouse=True)
 def _memory_class(request: pytest.FixtureRequest) -> Iterator[None]:
     heavy = request.node.get_closest_marker("memory_heavy") is not None
-    if heavy or request.node.get_closest_marker("memory_medium") is not None:
-        with request.getfixturevalue("memory_lock")(heavy):
-            yield
-            _give_heap_back()
-    else:
+    with request.getfixturevalue("memory_lock")(heavy):
         yield
         _give_heap_back()

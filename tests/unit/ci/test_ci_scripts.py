@@ -26,9 +26,6 @@ from pathlib import Path
 
 import pytest
 
-# CI scripts running `mlacheck run` with their own workers: 0.5-0.8 GB each (tests/conftest.py)
-pytestmark = pytest.mark.memory_medium
-
 REPO = Path(__file__).resolve().parents[3]
 CI = REPO / "ci"
 FIXTURES = REPO / "tests" / "fixtures"

@@ -10,9 +10,6 @@ from pathlib import Path
 
 import pytest
 
-# `mlacheck run` subprocesses with their own workers: 0.5-0.8 GB each (tests/conftest.py)
-pytestmark = pytest.mark.memory_medium
-
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 
 # Two decode requests and a two-segment prefill: request/segment 1 exists in each.

@@ -22,9 +22,6 @@ from mlacheck.outcome import CoveragePolicy, Item, decide
 from mlacheck.spec import DecodeCase, PrefillCase, Request, Segment, case_from_json
 from mlacheck.verdict import CRASH, ERROR, FAIL, PASS, SKIP
 
-# `mlacheck run` subprocesses with their own workers: 0.5-0.8 GB each (tests/conftest.py)
-pytestmark = pytest.mark.memory_medium
-
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 TINY = """
 name: tiny
