@@ -27,6 +27,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import fcntl
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
@@ -65,10 +66,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def memory_lock(tmp_path_factory: pytest.TempPathFactory,
-                testrun_uid: str) -> Callable[[bool], contextlib.AbstractContextManager[None]]:
+def memory_lock(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                ) -> Callable[[bool], contextlib.AbstractContextManager[None]]:
     """`with memory_lock(exclusive):` across this run's xdist workers: exclusive for a heavy
     test, shared for every other one."""
+    try:
+        testrun_uid = request.getfixturevalue("testrun_uid")  # pytest-xdist's, one per run
+    except pytest.FixtureLookupError:  # -p no:xdist: one process, its own lock
+        testrun_uid = f"solo-{os.getpid()}"
     base = tmp_path_factory.getbasetemp().parent
     path, turnstile = base / f"memory-{testrun_uid}.lock", base / f"memory-{testrun_uid}.next"
 
