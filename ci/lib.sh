@@ -176,17 +176,17 @@ run_matrix() {
         "$out/summary.txt" "$out/summary.md" "$out/run.log"
     local device=cpu
     if [[ $MODE == gpu ]]; then device=cuda; fi
-    local workers=${WORKERS:-}
-    if [[ -z $workers ]]; then
-        workers=1
-        if [[ $MODE == gpu ]]; then workers=$GPU_COUNT; fi
-    fi
     local policy=()
+    # WORKERS unset: one on a CPU runner (the fallback gate), else mlacheck run's own default
+    # (2 cores per worker, at most 8 per GPU, as host memory allows)
+    local workers=${WORKERS:-}
+    if [[ -z $workers && $MODE != gpu ]]; then workers=1; fi
+    if [[ -n $workers ]]; then policy+=(--workers "$workers"); fi
     if [[ -n ${REQUIRE_OPS:-} ]]; then policy+=(--require-ops "$REQUIRE_OPS"); fi
     if [[ -n ${MIN_EXECUTED:-} ]]; then policy+=(--min-executed "$MIN_EXECUTED"); fi
     if [[ ${ALLOW_XPASS:-0} == 1 ]]; then policy+=(--allow-xpass); fi
     local args=(run --matrix "$MATRIX" --device "$device" --results "$out/results.jsonl"
-        --junit "$out/junit.xml" --workers "$workers" --timeout "$TIMEOUT" --no-report
+        --junit "$out/junit.xml" --timeout "$TIMEOUT" --no-report
         "${policy[@]}")
     local b backend_args=()
     for b in "${RUN_BACKENDS[@]}"; do backend_args+=(--backend "$b"); done

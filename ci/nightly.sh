@@ -41,7 +41,7 @@ STEPS=${STEPS:-matrix selftest gate}    # which steps to run, in this order
 MATRIX=${MATRIX:-}                      # default nightly (GPU) / smoke (CPU); or a YAML path
 BACKENDS=${BACKENDS:-}                  # default: every usable backend of the platform (CPU: embedded)
 DEVICE=${DEVICE:-auto}                  # auto | cpu | cuda (GPUs: VISIBLE_DEVICES)
-WORKERS=${WORKERS:-}                    # xdist workers; default one per visible GPU, 1 on CPU
+WORKERS=${WORKERS:-}                    # xdist workers; default 1 on CPU, on GPUs mlacheck run's (2 cores each, <= 8 per GPU)
 ARTIFACTS=${ARTIFACTS:-./mlacheck-artifacts}
 REQUIRE_GPU=${REQUIRE_GPU:-0}           # 1: no GPU is an error (exit 2)
 REQUIRE_OPS=${REQUIRE_OPS:-}            # e.g. mla_decode,mla_prefill: each backend must run one

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # shellcheck source-path=SCRIPTDIR
-# mlacheck pre-merge job: the premerge matrix on every usable backend, one pytest-xdist worker
-# per GPU; JUnit XML, JSON lines and an HTML report in $ARTIFACTS; a one-screen summary.
+# mlacheck pre-merge job: the premerge matrix on every usable backend, pytest-xdist workers
+# sharing the GPUs; JUnit XML, JSON lines and an HTML report in $ARTIFACTS; a one-screen summary.
 #
 #   ci/premerge.sh                      # ROCm/CUDA runner, or CPU fallback
 #   MATRIX=smoke BACKENDS=torch ci/premerge.sh
@@ -25,7 +25,7 @@ set -euo pipefail
 MATRIX=${MATRIX:-}                      # matrix name or YAML path; default premerge (GPU) / smoke (CPU)
 BACKENDS=${BACKENDS:-}                  # space/comma separated; default: every usable one (see above)
 DEVICE=${DEVICE:-auto}                  # auto | cpu | cuda (ROCm GPUs are "cuda" to torch)
-WORKERS=${WORKERS:-}                    # xdist workers; default one per visible GPU, 1 on CPU
+WORKERS=${WORKERS:-}                    # xdist workers; default 1 on CPU, on GPUs mlacheck run's (2 cores each, <= 8 per GPU)
 ARTIFACTS=${ARTIFACTS:-./mlacheck-artifacts}
 REQUIRE_GPU=${REQUIRE_GPU:-0}           # 1: no GPU is an error (exit 2), not a CPU fallback
 VISIBLE_DEVICES=${VISIBLE_DEVICES:-}    # e.g. 0,1,2,3: exported as HIP_/CUDA_VISIBLE_DEVICES

@@ -198,18 +198,29 @@ def _ops(value: str) -> list[str]:
 # inputs + golden): 4.5 GB, measured with `/usr/bin/time -f %M mlacheck run --matrix premerge
 # --device cpu -n 1` on the 2-core CI machine. More workers than memory allows would swap.
 CPU_WORKER_PEAK_GIB = 4.5
+# Workers on one GPU: each takes CORES_PER_GPU_WORKER cores for its torch threads and input
+# work, at most GPU_WORKERS_MAX per GPU (device memory is shared through mlacheck.admission).
+# Measured on one H100 with 16 cores: the nightly x 3 backends in 137-148 s with 8 workers,
+# ~630 s with 4 and `--resume` (docs/gpu-results.md, "Suite throughput").
+CORES_PER_GPU_WORKER = 2
+GPU_WORKERS_MAX = 8
+# Host memory of one GPU worker at its peak: the largest process of that nightly, 13.6 GiB.
+GPU_WORKER_HOST_GIB = 13.6
 
 
 def _default_workers(device: str) -> int:
-    """One worker per GPU; on a CPU one per core, as many as the free memory holds (each a
-    process apart, so a crash cannot take the run). Measured on 2 cores, premerge: 40.4 s
-    with one worker, 29.4 s with two."""
+    """Workers in separate processes (a crash cannot take the run). On a CPU one per core, as
+    many as the free memory holds: measured on 2 cores, premerge 40.4 s with one worker,
+    29.4 s with two. On GPUs, CORES_PER_GPU_WORKER cores each, at most GPU_WORKERS_MAX per GPU
+    and at least one, as many as the host memory holds."""
     from mlacheck.pytest_plugin import gpu_count
 
     gpus = 0 if device == "cpu" else gpu_count()
-    if gpus:
-        return gpus
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if gpus:
+        per_gpu = min(GPU_WORKERS_MAX, (cores or 1) // (CORES_PER_GPU_WORKER * gpus))
+        by_memory = int(_available_gib() // GPU_WORKER_HOST_GIB)
+        return gpus * max(1, min(per_gpu, by_memory // gpus))
     return max(1, min(cores or 1, int(_available_gib() // CPU_WORKER_PEAK_GIB)))
 
 
@@ -444,7 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=_non_negative, default=None,
                    help="offset added to every case's seed: another draw of the same matrix")
     r.add_argument("--workers", "-n", type=_positive, default=None,
-                   help="pytest-xdist workers (default: one per GPU; on a CPU one per core, as memory allows)")
+                   help="pytest-xdist workers (default: on GPUs 2 cores per worker, at most 8 per GPU; on "
+                        "a CPU one per core; as host memory allows)")
     r.add_argument("--timeout", type=_positive, default=900,
                    help="per-case timeout in seconds (default 900): a hang is a CRASH")
     r.add_argument("--junit", default=None, help="write JUnit XML here")

@@ -214,5 +214,18 @@ def test_default_workers_use_the_cores_the_memory_can_hold(monkeypatch) -> None:
     monkeypatch.setattr(cli, "_available_gib", lambda: 1.0)
     assert cli._default_workers("cpu") == 1
     monkeypatch.setattr(pytest_plugin, "gpu_count", lambda: 4)
-    assert cli._default_workers("cuda") == 4
+    assert cli._default_workers("cuda") == 4  # 8 cores for 4 GPUs: one worker each
     assert cli._default_workers("cpu") == 1  # --device cpu ignores the GPUs
+    # one H100 with 16 cores: 8 workers share it (2 cores each), as the nightly measured
+    monkeypatch.setattr(pytest_plugin, "gpu_count", lambda: 1)
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(cli, "_available_gib", lambda: 125.0)
+    assert cli._default_workers("cuda") == cli.GPU_WORKERS_MAX == 8
+    monkeypatch.setattr(cli, "_available_gib", lambda: 3.5 * cli.GPU_WORKER_HOST_GIB)
+    assert cli._default_workers("cuda") == 3  # host memory, not cores, is the limit
+    monkeypatch.setattr(cli, "_available_gib", lambda: 1.0)
+    assert cli._default_workers("cuda") == 1  # never fewer than one per GPU
+    monkeypatch.setattr(pytest_plugin, "gpu_count", lambda: 8)
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(128)), raising=False)
+    monkeypatch.setattr(cli, "_available_gib", lambda: 2000.0)
+    assert cli._default_workers("cuda") == 64  # 8 GPUs x 8
