@@ -176,18 +176,18 @@ run_matrix() {
         "$out/summary.txt" "$out/summary.md" "$out/run.log"
     local device=cpu
     if [[ $MODE == gpu ]]; then device=cuda; fi
-    local policy=()
     # WORKERS unset: one on a CPU runner (the fallback gate), else mlacheck run's own default
     # (2 cores per worker, at most 8 per GPU, as host memory allows)
-    local workers=${WORKERS:-}
+    local workers=${WORKERS:-} worker_args=()
     if [[ -z $workers && $MODE != gpu ]]; then workers=1; fi
-    if [[ -n $workers ]]; then policy+=(--workers "$workers"); fi
+    if [[ -n $workers ]]; then worker_args=(--workers "$workers"); fi
+    local policy=()
     if [[ -n ${REQUIRE_OPS:-} ]]; then policy+=(--require-ops "$REQUIRE_OPS"); fi
     if [[ -n ${MIN_EXECUTED:-} ]]; then policy+=(--min-executed "$MIN_EXECUTED"); fi
     if [[ ${ALLOW_XPASS:-0} == 1 ]]; then policy+=(--allow-xpass); fi
     local args=(run --matrix "$MATRIX" --device "$device" --results "$out/results.jsonl"
         --junit "$out/junit.xml" --timeout "$TIMEOUT" --no-report
-        "${policy[@]}")
+        "${worker_args[@]}" "${policy[@]}")
     local b backend_args=()
     for b in "${RUN_BACKENDS[@]}"; do backend_args+=(--backend "$b"); done
     args+=("${backend_args[@]}")
