@@ -160,8 +160,14 @@ def overflow_threshold(name: str) -> float:
 def dequantize(x: torch.Tensor, scale: torch.Tensor | float = 1.0) -> torch.Tensor:
     """Stored values times the dequantisation scale, in fp32: what a kernel computes. Exact for
     bf16/fp16 and unit scales; an FP8 value times an amax scale can need 28 mantissa bits, so
-    that product is rounded to fp32 here (the fp64 golden multiplies in fp64 instead)."""
-    return x.float() * scale
+    that product is rounded to fp32 here (the fp64 golden multiplies in fp64 instead).
+
+    The product is taken in place on a fresh fp32 copy: the same values as `x.float() * scale`
+    without a second full-size fp32 temporary (a 98k-token latent KV: 226 MB less at the
+    peak of every gather)."""
+    if torch.result_type(torch.empty(1), scale) != torch.float32:  # e.g. an fp64 per-token scale
+        return x.float() * scale
+    return x.to(torch.float32, copy=True).mul_(scale)
 
 
 def round_trip(x: torch.Tensor, name: str, policy: OverflowPolicy = "torch") -> torch.Tensor:

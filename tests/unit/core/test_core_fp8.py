@@ -179,3 +179,16 @@ def test_one_width_table_and_the_spec_formats_are_checked(monkeypatch: pytest.Mo
     monkeypatch.setattr(formats, "FORMATS", (*formats.FORMATS, "fp4_e2m1"))
     with pytest.raises(ImportError, match="does not match"):
         fp8._check_covers_formats()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_dequantize_is_the_plain_product_and_leaves_its_input_alone(dtype: torch.dtype) -> None:
+    """Taken in place on a fresh copy (one fp32 temporary less): the same bits as
+    `x.float() * scale` for every scale kind, and an fp32 input is not scaled in place."""
+    x = (torch.randn(64, 3, 8, generator=torch.Generator().manual_seed(0)) * 40).to(dtype)
+    before = x.clone()
+    for scale in (1.0, 0.37, torch.tensor(0.0123), torch.rand(64, 1, 1),
+                  torch.rand(64, 1, 1, dtype=torch.float64)):
+        want, got = x.float() * scale, fp8.dequantize(x, scale)
+        assert got.dtype == want.dtype and torch.equal(got, want), scale
+        assert torch.equal(x.view(fp8.int_dtype(dtype)), before.view(fp8.int_dtype(dtype)))
