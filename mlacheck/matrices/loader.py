@@ -59,6 +59,7 @@ import yaml
 
 from mlacheck import boundaries
 from mlacheck.bugclasses import BUG_CLASSES
+from mlacheck.markers import KNOWN_MARKERS, MARKERS  # noqa: F401  # MARKERS: re-exported
 from mlacheck.spec import (
     CASE_TYPES,
     Case,
@@ -73,21 +74,6 @@ from mlacheck.spec import (
 
 # Packaged matrices, smallest first: the order `names()` lists them in.
 CANONICAL_ORDER = ("smoke", "premerge", "nightly", "full")
-
-# The case markers, defined once: a matrix may set them (a typo fails the load instead of
-# silently creating an unregistered marker), the pytest plugin registers them with these
-# descriptions, and `-m "not large_kv"` selects on them.
-MARKERS: dict[str, str] = {
-    "fp8": "FP8 formats",
-    "sparse": "sparse top-k decode",
-    "multiseg": "multi-segment varlen prefill",
-    "large_kv": "KV pools over 2 GB / 4 GB (deselected by CPU gates)",
-    "persistent": "persistent (work-stealing) decode",
-    "gpu": "needs a GPU",
-    "slow": "long-running (matrix cases: nightly only; mlacheck's own tests: the slow tier, "
-            "docs/ci.md)",
-}
-KNOWN_MARKERS = tuple(MARKERS)
 
 # What a group's `covers:` entries may name: a bug class of mlacheck/bugclasses.py (by its
 # number) or a boundary class of mlacheck/boundaries.py (by its name).

@@ -42,7 +42,7 @@ def test_unknown_layout_and_bad_page_size_are_named() -> None:
 
 
 def test_case_markers_are_registered_from_the_one_definition(pytestconfig: pytest.Config) -> None:
-    from mlacheck.matrices.loader import KNOWN_MARKERS, MARKERS
+    from mlacheck.markers import KNOWN_MARKERS, MARKERS
 
     registered = {line.split(":", 1)[0] for line in pytestconfig.getini("markers")}
     assert set(MARKERS) <= registered and tuple(MARKERS) == KNOWN_MARKERS
