@@ -18,8 +18,8 @@ raises no false alarm on the correct backends.
 
 Every run repeats the kernel on fresh inputs (RunOptions(repeat=2): the determinism check)
 where that matters: for the faults that only a repeated run shows, and for the correct
-backends (except, under --quick, on the multi-GiB large-KV cases, whose second pool build
-costs more than it proves there).
+backends (except, under --quick, on the large-KV cases and any case estimated above
+QUICK_REPEAT_MAX_BYTES, whose second input build costs more than it proves there).
 
 The large-KV cases (pools past 2^31 / 2^32 bytes: 2 / 4 GiB of memory) run at full size by
 default. `--offset-bits 24` runs a scale model of them instead (Placement.scaled): their high
@@ -63,6 +63,13 @@ CORRECT_BACKENDS = ("torch", "torch-split", "torch-reverse", "aiter-model",
 # backends the large-KV faults are planted in (the other two differ from torch only in
 # accumulation order, not in how they address the pool).
 QUICK_LARGE_KV_BACKENDS = ("torch", "aiter-model")
+# Under --quick a correct backend runs a case estimated (mlacheck.footprint) above this once,
+# without the determinism repeat: the repeat builds a second copy of the inputs while the
+# first is alive. On the selftest matrix that is the 98305-token decode alone (2.6 GB
+# estimated; every other case <= 0.55 GB): its repeat took the quick selftest from ~1.4 to
+# 1.86 GB peak PSS on a 2-core CPU machine. The determinism check's freedom from false alarms
+# is still shown on every smaller case, and the full selftest repeats every case.
+QUICK_REPEAT_MAX_BYTES = 1 << 30
 # Search budgets: backend runs per fault (examples + shrink steps; beyond it the search
 # keeps the smallest failing case found so far).
 SEARCH_RUNS = {"quick": 24, "full": 200}
@@ -243,6 +250,7 @@ def _priming_case(spec: FaultSpec) -> Case | None:
 
 def run_correct(name: str, cases_by_seed: Sequence[Sequence[Any]], device: str,
                 quick: bool) -> BackendResult:
+    from mlacheck import footprint
     from mlacheck.backends.registry import BackendError, resolve
     from mlacheck.harness import run_case
 
@@ -258,7 +266,8 @@ def run_correct(name: str, cases_by_seed: Sequence[Sequence[Any]], device: str,
             large = "large_kv" in mc.markers
             if quick and large and name not in QUICK_LARGE_KV_BACKENDS:
                 continue
-            repeat = 1 if quick and large else 2
+            once = large or footprint.estimate(mc.case).total > QUICK_REPEAT_MAX_BYTES
+            repeat = 1 if quick and once else 2
             res.verdicts.append(run_case(mc.case, backend, _run_options(device, repeat)))
     res.seconds = time.perf_counter() - start
     return res

@@ -391,3 +391,32 @@ def test_every_fault_names_a_known_class_and_every_bug_class_has_a_fault() -> No
         with pytest.raises(ValueError, match=f"bug class {bad!r} is not one of"):
             dataclasses.replace(some, bug_class=bad)
     assert isinstance(dataclasses.replace(some, bug_class=min(BUG_CLASSES)), FaultSpec)
+
+
+def test_quick_correct_backends_repeat_every_case_but_the_largest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under --quick a case estimated above QUICK_REPEAT_MAX_BYTES runs once (its repeat
+    would build a second copy of its inputs); every other case, and every case of the full
+    selftest, runs twice for the determinism check."""
+    import mlacheck.harness
+    from mlacheck import footprint, selftest
+
+    cases = load("selftest").cases
+    big = [mc for mc in cases if footprint.estimate(mc.case).total > selftest.QUICK_REPEAT_MAX_BYTES
+           and "large_kv" not in mc.markers]
+    small = [mc for mc in cases if footprint.estimate(mc.case).total
+             <= selftest.QUICK_REPEAT_MAX_BYTES and "large_kv" not in mc.markers][:2]
+    assert big and small  # the 98305-token decode, and the matrix's ordinary cases
+    seen: dict[tuple[str, bool], int] = {}
+
+    def record(case: Any, backend: Any, opts: RunOptions) -> Verdict:
+        seen[(case.id, quick)] = opts.repeat
+        return Verdict(case.id, backend.name, case.op, PASS)
+
+    monkeypatch.setattr(mlacheck.harness, "run_case", record)
+    for quick in (True, False):
+        res = selftest.run_correct("torch", [big[:1] + small], "cpu", quick)
+        assert not res.error and len(res.verdicts) == 3
+    assert seen[(big[0].case.id, True)] == 1
+    assert seen[(big[0].case.id, False)] == 2
+    assert all(seen[(mc.case.id, quick)] == 2 for mc in small for quick in (True, False))
