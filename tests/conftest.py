@@ -10,8 +10,8 @@ Deselected here, not by `addopts = -m "not slow"` in pyproject.toml: that file i
 file of `mlacheck run` and `pytest tests/kernels` in a checkout, where `slow` marks nightly
 matrix cases that must keep running.
 
-Memory: two xdist workers (~0.7 GB each) leave ~1.5 GB of the default tier's 3 GB for what
-their tests add. Tests marked `memory_heavy` (1-2 GB more: the 98305-token decode, the
+Memory: two xdist workers (0.4-0.6 GB each; the lm-eval users are one xdist group, so one
+worker carries that stack) leave ~1.8 GB of the default tier's 3 GB for what their tests add. Tests marked `memory_heavy` (1-2 GB more: the 98305-token decode, the
 selftest, premerge in one process) hold a cross-worker file lock exclusively and every other
 test holds it shared, so a heavy test runs while the other worker waits (measured: beside a
 light test, one still peaked at 3.06 GB of tree PSS). A turnstile lock in front makes a waiting
@@ -35,6 +35,11 @@ from typing import IO
 import pytest
 
 KERNELS = Path(__file__).parent / "kernels"  # the validation matrix: its markers are data
+# Tests that run lm-eval, its datasets/pandas/pyarrow stack or the e2e model in their own
+# process: one xdist group, so only one worker carries that stack (~0.15-0.27 GB measured,
+# which neither gc nor malloc_trim gives back) and the other stays at its collection size.
+LM_EVAL_USERS = tuple(Path(__file__).parent / d for d in ("e2e", "unit/e2e", "unit/gate"))
+LM_EVAL_GROUP = "lm-eval"
 # A matrix item whose case is estimated above this (mlacheck.footprint) is memory_heavy.
 HEAVY_CASE_BYTES = 1 << 30
 _held: list[bool] = []  # the modes (exclusive or not) this process holds the memory lock in
@@ -45,17 +50,23 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "memory_heavy: needs 1-2 GB beside its worker; runs while the other "
                    "workers wait (tests/conftest.py)")
+    if getattr(config.option, "dist", "no") == "load":  # `-n 2`: honour the xdist_group marks
+        config.option.dist = "loadgroup"
 
 
+# tryfirst: xdist's worker names grouped items by their xdist_group mark in this same hook
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the matrix items of large cases memory_heavy; leave the slow tier out unless the
-    command line says which markers to run."""
+    """Mark the matrix items of large cases memory_heavy and the lm-eval users one xdist
+    group; leave the slow tier out unless the command line says which markers to run."""
     from mlacheck import footprint
 
     for item in items:
         param = getattr(item, "callspec", None) and item.callspec.params.get("mla_item")
         if param is not None and footprint.estimate(param.case).total > HEAVY_CASE_BYTES:
             item.add_marker(pytest.mark.memory_heavy)
+        if any(item.path.is_relative_to(d) for d in LM_EVAL_USERS):
+            item.add_marker(pytest.mark.xdist_group(LM_EVAL_GROUP))
     if config.getoption("markexpr"):
         return
     slow = [i for i in items if i.get_closest_marker("slow") and not i.path.is_relative_to(KERNELS)]
