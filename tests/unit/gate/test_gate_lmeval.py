@@ -219,11 +219,15 @@ def test_server_failing_mid_run(
     err = capsys.readouterr().err.strip().splitlines()
     ours = [line for line in err if line.startswith("mlacheck gate:")]
     assert ours == [err[-1]]
-    assert "aborted after 4/12 responses (ClientResponseError: 500" in err[-1]
+    # the server answered 4; with 2 requests in flight, lm-eval cancels the session when the
+    # other one gets the 500, and the 4th answer may be lost on the way (seen: 3/12)
+    answered = int(re.search(r"aborted after (\d+)/12 responses", err[-1]).group(1))
+    assert server.served == 4 and answered in (3, 4), err[-1]
+    assert "(ClientResponseError: 500" in err[-1]
     assert str(out) in err[-1]
     partial = GateRecord.load(out)
-    assert partial.status == STATUS_ABORTED and len(partial.samples) == 4
-    assert partial.failed_requests == 8
+    assert partial.status == STATUS_ABORTED and len(partial.samples) == answered
+    assert partial.failed_requests == 12 - answered
 
 
 def _free_port() -> int:
