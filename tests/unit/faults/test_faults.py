@@ -74,7 +74,7 @@ def selftest(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     are spread over the xdist workers, and a fixture per worker ran it twice at once (twice
     the time and the memory). The first worker runs it under a lock; the others read its
     files. N = 24 in the default run; 32 (the real 2 GiB / 4 GiB pools, what the nightly
-    runs) in the slow tier. It needs ~1.9 GB (N = 24): it runs under the memory lock, as a
+    runs) in the slow tier. It needs ~1.5 GB (N = 24): it runs under the memory lock, as a
     memory_heavy test (tests/conftest.py)."""
     import fcntl
 
