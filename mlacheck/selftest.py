@@ -372,7 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="CPU-sized (CI): each fault on its own matrix groups, small search "
                         "budgets, large-KV cases on torch and aiter-model only, no "
-                        "determinism repeat on a correct backend for cases above 1 GiB")
+                        "determinism repeat on a correct backend for cases above "
+                        f"{QUICK_REPEAT_MAX_BYTES / 2**30:g} GiB (estimated)")
     p.add_argument("--matrix", default=DEFAULT_MATRIX,
                    help="matrix name or .yaml path (default: selftest)")
     p.add_argument("--no-search", dest="search", action="store_false",
