@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from mlacheck import fp8, layouts
-from mlacheck.spec import OFFSET_BITS, Placement
+from mlacheck.spec import OFFSET_BITS, Placement, offset_wraps
 
 # Output buffers carry this many guard rows before and after the real rows.
 GUARD_ROWS = 2
@@ -237,7 +237,7 @@ class KVPool:
 def byte_region(lo: int, hi: int, bits: int = OFFSET_BITS) -> str:
     """Human name of a byte range relative to the 2^31 / 2^32 boundaries (those of a
     `bits`-wide offset model: a case's `placement.offset_bits`)."""
-    signed, unsigned = 1 << (bits - 1), 1 << bits
+    signed, unsigned = offset_wraps(bits)
 
     def side(x: int) -> str:
         if x < signed:

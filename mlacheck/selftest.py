@@ -266,8 +266,9 @@ def run_correct(name: str, cases_by_seed: Sequence[Sequence[Any]], device: str,
             large = "large_kv" in mc.markers
             if quick and large and name not in QUICK_LARGE_KV_BACKENDS:
                 continue
-            once = large or footprint.estimate(mc.case).total > QUICK_REPEAT_MAX_BYTES
-            repeat = 1 if quick and once else 2
+            once = quick and (
+                large or footprint.estimate(mc.case).total > QUICK_REPEAT_MAX_BYTES)
+            repeat = 1 if once else 2
             res.verdicts.append(run_case(mc.case, backend, _run_options(device, repeat)))
     res.seconds = time.perf_counter() - start
     return res

@@ -119,6 +119,11 @@ OFFSET_BITS = 32
 MIN_OFFSET_BITS = 16
 
 
+def offset_wraps(bits: int = OFFSET_BITS) -> tuple[int, int]:
+    """Byte offsets where `bits`-wide offsets wrap: (signed 2^(bits-1), unsigned 2^bits)."""
+    return 1 << (bits - 1), 1 << bits
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where live KV pages sit in the pool.
@@ -169,7 +174,7 @@ class Placement:
     @property
     def wraps(self) -> tuple[int, int]:
         """Byte offsets where the modelled offsets wrap: (2^31 signed, 2^32 unsigned)."""
-        return 1 << (self.offset_bits - 1), 1 << self.offset_bits
+        return offset_wraps(self.offset_bits)
 
     def scaled(self, bits: int) -> Placement:
         """This placement in a `bits`-wide offset model: a high offset moves by the same

@@ -247,12 +247,12 @@ def v32_cache(pool: KVPool) -> V32Cache:
     out = torch.empty(flat.shape[0], V32_TOKEN_BYTES, dtype=torch.uint8, device=flat.device)
     lo, hi, kept = None, None, 0
     for start in range(0, flat.shape[0], CONVERT_TOKENS):
-        got = _v32_tokens(flat[start:start + CONVERT_TOKENS], s)
-        out[start:start + CONVERT_TOKENS] = got[0]
-        if got[1] is not None:
-            lo = got[1] if lo is None else min(lo, got[1])
-            hi = got[2] if hi is None else max(hi, got[2])
-        kept += got[3]
+        tokens, shift_lo, shift_hi, tiles_kept = _v32_tokens(flat[start:start + CONVERT_TOKENS], s)
+        out[start:start + CONVERT_TOKENS] = tokens
+        if shift_lo is not None:
+            lo = shift_lo if lo is None else min(lo, shift_lo)
+            hi = shift_hi if hi is None else max(hi, shift_hi)
+        kept += tiles_kept
     data = out.view(torch.float8_e4m3fn).view(pages, ps, 1, V32_TOKEN_BYTES)
     return V32Cache(data, lo, hi, kept)
 

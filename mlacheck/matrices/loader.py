@@ -59,7 +59,7 @@ import yaml
 
 from mlacheck import boundaries
 from mlacheck.bugclasses import BUG_CLASSES
-from mlacheck.markers import KNOWN_MARKERS, MARKERS  # noqa: F401  # MARKERS: re-exported
+from mlacheck.markers import KNOWN_MARKERS
 from mlacheck.spec import (
     CASE_TYPES,
     Case,
