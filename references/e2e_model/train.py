@@ -7,15 +7,22 @@ in the MHA form with torch SDPA on generated arithmetic word problems
 (`Question: ...\\nAnswer: <worked steps>\\n#### N<eos>`, loss on the answer only), AdamW.
 
     python3 references/e2e_model/train.py --out references/e2e_model --steps 20000 --device cuda
+    python3 references/e2e_model/train.py --preset deepseek-dims --time-budget 360 \
+        --out references/e2e_model_deepseek_dims --steps 20000 --device cuda --eval-n 100
     python3 references/e2e_model/train.py --out /tmp/e2e-smoke --steps 20 --device cpu
+
+Presets: `small` (the CPU demo, references/e2e_model), `deepseek-dims` (DeepSeek-V3's
+attention dims, which production MLA kernels accept: references/e2e_model_deepseek_dims),
+`tiny` (CPU checks only).
 
 Training stops at `--steps` or after `--time-budget` seconds, whichever comes first (the
 learning-rate schedule follows whichever is further along), so a run on one H100 finishes
 in under 8 minutes including data generation and the final evaluation. The script then
 writes config.json, model.safetensors (bf16), tokenizer.json and train_log.json into
-`--out`, reloads them from disk, and reports the held-out accuracy measured through the
-mlacheck e2e runner with the `torch` backend (attention as mlacheck cases: MHA-form
-prefill, absorbed decode over a paged latent cache).
+`--out` (train_log.json right after saving and again after each evaluation, so a run cut
+short keeps what it measured), reloads them from disk, and reports the held-out accuracy
+measured through the mlacheck e2e runner with the `torch` backend (attention as mlacheck
+cases: MHA-form prefill, absorbed decode over a paged latent cache).
 """
 
 from __future__ import annotations
@@ -45,16 +52,34 @@ from mlacheck.e2e.tokenizer import CharTokenizer
 MAX_LEN = 256  # tokens per training sequence (the longest generated problem is ~230)
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # the committed model: ~3.3 M parameters, 6.6 MB in bf16
+    # the committed CPU demo model (references/e2e_model): ~3.3 M parameters, 6.6 MB in bf16
     "small": dict(
         hidden_size=256,
         intermediate_size=768,
         num_hidden_layers=4,
         num_attention_heads=8,
+        q_lora_rank=None,
         kv_lora_rank=64,
         qk_nope_head_dim=32,
         qk_rope_head_dim=16,
         v_head_dim=32,
+    ),
+    # DeepSeek-V2/V3's attention dims, the only ones production MLA kernels (FlashMLA,
+    # FlashInfer MLA, AITER) accept: a 576-wide latent (512 + 64), q/k 192, v 128; 16 heads
+    # (DeepSeek-V3's 128 at tensor parallelism 8); q-LoRA as DeepSeek-V3 (q_a_proj ->
+    # q_a_layernorm -> q_b_proj). kv_b_proj alone is 512 x 16 x 256 = 2.1 M parameters per
+    # layer, so 3 layers keep the model at 11.4 M parameters, 22.8 MB in bf16
+    # (references/e2e_model_deepseek_dims, trained on one H100).
+    "deepseek-dims": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=3,
+        num_attention_heads=16,
+        q_lora_rank=128,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
     ),
     # CPU checks only
     "tiny": dict(
@@ -62,6 +87,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
+        q_lora_rank=None,
         kv_lora_rank=32,
         qk_nope_head_dim=16,
         qk_rope_head_dim=8,
@@ -70,10 +96,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Peak learning rate per preset (--lr overrides). The DeepSeek-dims preset's attention
+# matrices have 8x the fan-in of the small one's (kv_b_proj 512, o_proj 2048): half the rate,
+# nanoGPT's proven 1e-3 for a ~10 M-parameter model.
+PRESET_LR: dict[str, float] = {"small": 2e-3, "tiny": 2e-3, "deepseek-dims": 1e-3}
+
+
 def model_config(preset: str, tok: CharTokenizer) -> ModelConfig:
     return ModelConfig(
         vocab_size=tok.vocab_size,
-        q_lora_rank=None,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         rope_scaling=DEEPSEEK_V3_ROPE_SCALING,  # YaRN as DeepSeek-V3: softmax scale x mscale^2
@@ -136,6 +167,13 @@ def dense_accuracy(model: MLAModel, tok: CharTokenizer, n: int, batch: int) -> f
     return score_texts(probs, texts).accuracy
 
 
+def write_log(out: Path, log: dict[str, Any], t_start: float) -> float:
+    """(Re)write out/train_log.json with the seconds elapsed so far; returns them."""
+    log["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
+    return float(log["total_seconds"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -151,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
     ap.add_argument("--batch-size", type=int, default=None, help="default: 256 cuda, 16 cpu")
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument(
+        "--lr", type=float, default=None, help="peak learning rate (default: the preset's)"
+    )
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=300)
     ap.add_argument(
@@ -172,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         "--eval-n",
         type=int,
         default=None,
-        help="held-out problems for the final runner eval (default: 200 cuda, 16 cpu)",
+        help="held-out problems for the final runner eval (default: 200 cuda, 16 cpu; 0: none)",
     )
     ap.add_argument(
         "--runner-eval-device",
@@ -183,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         "--dense-eval-n",
         type=int,
         default=None,
-        help="held-out problems for the final dense reference eval (500 cuda, 16 cpu)",
+        help="held-out problems for the final dense reference eval (500 cuda, 16 cpu; 0: none)",
     )
     ap.add_argument("--compile", action="store_true", help="torch.compile the training forward")
     args = ap.parse_args(argv)
@@ -199,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.time_budget if args.time_budget is not None else (330.0 if cuda else float("inf"))
     log_every = args.log_every or (200 if cuda else 5)
     eval_every = args.eval_every if args.eval_every is not None else (2000 if cuda else 0)
-    eval_n = args.eval_n or (200 if cuda else 16)
-    dense_n = args.dense_eval_n or (500 if cuda else 16)
+    eval_n = args.eval_n if args.eval_n is not None else (200 if cuda else 16)
+    dense_n = args.dense_eval_n if args.dense_eval_n is not None else (500 if cuda else 16)
+    lr_peak = args.lr if args.lr is not None else PRESET_LR[args.preset]
     torch.manual_seed(args.seed)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -235,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             {"params": decay, "weight_decay": args.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ],
-        lr=args.lr,
+        lr=lr_peak,
         betas=(0.9, 0.95),
         fused=cuda,
     )
@@ -253,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"time budget of {budget:.0f} s reached at step {step}", flush=True)
             break
         progress = max(step / args.steps, elapsed / budget)
-        lr = lr_at(step, progress, args.lr, warmup)
+        lr = lr_at(step, progress, lr_peak, warmup)
         for g in opt.param_groups:
             g["lr"] = lr
         rows_cpu = torch.randint(0, pool, (batch,), generator=gen)
@@ -306,54 +347,60 @@ def main(argv: list[str] | None = None) -> int:
     weights = save_model(model, args.out, dtype=torch.bfloat16)
     tok.save(args.out / "tokenizer.json")
     print(f"saved {weights} ({weights.stat().st_size / 1e6:.1f} MB)", flush=True)
-
-    # -- measured on what was written: reload, run through the mlacheck runner (torch backend)
-    reloaded = load_model(args.out, device=device, dtype=torch.float32)
-    dense = dense_accuracy(reloaded, tok, dense_n, 250)
-    print(f"held-out accuracy (dense SDPA reference, {dense_n} problems): {dense:.1%}", flush=True)
-    # The runner hands the backend one small attention problem per request, layer and step:
-    # on a GPU that is launch-bound (minutes); on one CPU thread it takes seconds.
-    eval_device = torch.device(args.runner_eval_device)
-    threads = torch.get_num_threads()
-    if eval_device.type == "cpu":
-        torch.set_num_threads(1)
-    runner = MLARunner(
-        load_model(args.out, device=eval_device, dtype=torch.float32),
-        TorchBackend(),
-        AttentionConfig(),
-    )
-    res = evaluate_runner(runner, tok, held_out_set(eval_n), batch_size=eval_n)
-    torch.set_num_threads(threads)
-    print(
-        f"held-out accuracy through the mlacheck runner (torch backend, bf16 q/kv, paged "
-        f"latent cache, {eval_device.type}; {res.n} problems): {res.accuracy:.1%} in "
-        f"{res.seconds:.0f} s",
-        flush=True,
-    )
-    for q, text, ok in res.samples[:3]:
-        print(f"  [{'ok' if ok else 'WRONG'}] {q}\n      -> {text.strip()!r}")
-    log = {
+    log: dict[str, Any] = {
         "preset": args.preset,
         "parameters": n_params,
+        "weights_bytes": weights.stat().st_size,
         "steps": step,
         "batch_size": batch,
-        "lr": args.lr,
+        "lr": lr_peak,
         "pool": pool,
         "seed": args.seed,
         "train_seconds": round(train_seconds, 1),
-        "total_seconds": round(time.perf_counter() - t_start, 1),
         "first_loss": first_loss,
         "last_loss": last_loss,
-        "heldout_dense_accuracy": dense,
-        "heldout_dense_n": dense_n,
-        "heldout_runner_accuracy": res.accuracy,
-        "heldout_runner_n": res.n,
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,
         "history": history,
     }
-    (args.out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
-    print(f"total {log['total_seconds']:.0f} s; wrote {args.out / 'train_log.json'}", flush=True)
+    # written now and again after each evaluation: a run cut short keeps what it measured
+    write_log(args.out, log, t_start)
+
+    # -- measured on what was written: reload, run through the mlacheck runner (torch backend)
+    if dense_n:
+        reloaded = load_model(args.out, device=device, dtype=torch.float32)
+        dense = dense_accuracy(reloaded, tok, dense_n, 250)
+        print(
+            f"held-out accuracy (dense SDPA reference, {dense_n} problems): {dense:.1%}",
+            flush=True,
+        )
+        log.update(heldout_dense_accuracy=dense, heldout_dense_n=dense_n)
+        write_log(args.out, log, t_start)
+    if eval_n:
+        # The runner hands the backend one small attention problem per request, layer and
+        # step: on a GPU that is launch-bound (minutes); on one CPU thread it takes seconds.
+        eval_device = torch.device(args.runner_eval_device)
+        threads = torch.get_num_threads()
+        if eval_device.type == "cpu":
+            torch.set_num_threads(1)
+        runner = MLARunner(
+            load_model(args.out, device=eval_device, dtype=torch.float32),
+            TorchBackend(),
+            AttentionConfig(),
+        )
+        res = evaluate_runner(runner, tok, held_out_set(eval_n), batch_size=eval_n)
+        torch.set_num_threads(threads)
+        print(
+            f"held-out accuracy through the mlacheck runner (torch backend, bf16 q/kv, paged "
+            f"latent cache, {eval_device.type}; {res.n} problems): {res.accuracy:.1%} in "
+            f"{res.seconds:.0f} s",
+            flush=True,
+        )
+        for q, text, ok in res.samples[:3]:
+            print(f"  [{'ok' if ok else 'WRONG'}] {q}\n      -> {text.strip()!r}")
+        log.update(heldout_runner_accuracy=res.accuracy, heldout_runner_n=res.n)
+    total = write_log(args.out, log, t_start)
+    print(f"total {total:.0f} s; wrote {args.out / 'train_log.json'}", flush=True)
     return 0
 
 

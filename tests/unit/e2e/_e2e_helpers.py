@@ -4,12 +4,37 @@ DeepSeek-V3-architecture model."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from mlacheck.e2e.config import DEEPSEEK_V3_ROPE_SCALING, ModelConfig
 from mlacheck.e2e.model import MLAModel
+
+REPO = Path(__file__).resolve().parents[3]
+# The committed trained models (references/e2e_model/train.py presets -> directories): the
+# small CPU demo and the one with DeepSeek's attention dims that production kernels accept.
+COMMITTED_MODELS: dict[str, Path] = {
+    "small": REPO / "references" / "e2e_model",
+    "deepseek-dims": REPO / "references" / "e2e_model_deepseek_dims",
+}
+
+# DeepSeek-V3's attention: 576-wide latent (512 + 64), q/k 192, v 128, q-LoRA, 16 heads (128
+# at tensor parallelism 8); for tiny_config, whose hidden size stays small.
+DEEPSEEK_DIMS: dict[str, Any] = dict(
+    num_attention_heads=16,
+    q_lora_rank=24,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+)
+
+
+def has_weights(directory: Path) -> bool:
+    return any((directory / f).is_file() for f in ("model.safetensors", "model.pt"))
+
 
 # A routed mixture of experts for tiny_config: V3's noaux_tc router (sigmoid, 2 groups of 4,
 # correction bias), top-2 of 8 experts plus one shared expert.

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from _e2e_helpers import MOE, fuse_experts, tiny_config, tiny_model
+from _e2e_helpers import (
+    COMMITTED_MODELS,
+    DEEPSEEK_DIMS,
+    MOE,
+    fuse_experts,
+    has_weights,
+    tiny_config,
+    tiny_model,
+)
 
 from mlacheck.e2e.checkpoint import load_model
 from mlacheck.e2e.config import RopeScaling
@@ -56,6 +64,7 @@ def _bias_the_routers(model: MLAModel) -> None:
         # YaRN cos/sin scale with only one of mscale / mscale_all_dim
         {"rope_scaling": RopeScaling(factor=40.0, mscale=0.707)},
         {"rope_scaling": RopeScaling(factor=40.0, mscale_all_dim=0.707)},
+        DEEPSEEK_DIMS,
     ],
     ids=[
         "dense",
@@ -68,6 +77,7 @@ def _bias_the_routers(model: MLAModel) -> None:
         "moe-layer-freq-2",
         "yarn-mscale-only",
         "yarn-mscale-all-dim-only",
+        "deepseek-dims",
     ],
 )
 def test_logits_match_transformers(over: dict) -> None:
@@ -100,6 +110,33 @@ def test_transformers_saved_checkpoint_loads_with_the_same_logits(
     ids = torch.randint(0, 100, (2, 29), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(back(ids, math_attention), hf(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("preset", sorted(COMMITTED_MODELS))
+def test_committed_model_loads_into_transformers_with_the_same_logits(preset: str) -> None:
+    """`DeepseekV3ForCausalLM.from_pretrained` reads the committed directory as it is (no
+    missing or unexpected tensors, the model's softmax scale) and gives our logits on a
+    held-out prompt."""
+    directory = COMMITTED_MODELS[preset]
+    if not has_weights(directory):
+        pytest.skip(f"no trained model committed in {directory.name} yet")
+    transformers = pytest.importorskip("transformers", reason="needs transformers")
+    from mlacheck.e2e.problems import held_out_set, prompt
+    from mlacheck.e2e.tokenizer import load_tokenizer
+
+    ours = load_model(directory, dtype=torch.float32)
+    hf, info = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tok = load_tokenizer(directory, ours.config.bos_token_id, ours.config.eos_token_id)
+    text = prompt(held_out_set(1)[0].question) + " "
+    ids = torch.tensor([tok.encode(text, add_bos=True)])
+    with torch.no_grad():
+        theirs = hf.eval()(ids).logits
+        mine = ours(ids, math_attention)
+    assert hf.model.layers[0].self_attn.scaling == pytest.approx(ours.config.softmax_scale)
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
 
 
 def test_mha_and_absorbed_views_agree() -> None:

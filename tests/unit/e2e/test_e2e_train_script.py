@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from _e2e_helpers import COMMITTED_MODELS
 
 from mlacheck.e2e.__main__ import main as e2e_main
 from mlacheck.e2e.checkpoint import load_model
@@ -62,15 +63,41 @@ def test_train_script_cpu_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert capsys.readouterr().err.startswith("error: cannot read")
 
 
-def test_committed_config_is_the_scripts_model() -> None:
-    spec = importlib.util.spec_from_file_location("e2e_train_cfg", SCRIPT)
+def _train_module(name: str):  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location(name, SCRIPT)
     assert spec is not None and spec.loader is not None
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
+    return train
+
+
+def test_committed_config_is_the_scripts_model() -> None:
+    train = _train_module("e2e_train_cfg")
     from mlacheck.e2e.config import ModelConfig
     from mlacheck.e2e.tokenizer import CharTokenizer
 
-    committed = ModelConfig.load(SCRIPT.parent / "config.json")
+    committed = ModelConfig.load(COMMITTED_MODELS["small"] / "config.json")
     assert committed == train.model_config("small", CharTokenizer())
     assert committed.softmax_scale == pytest.approx(0.270468, abs=1e-6)
     assert committed.num_parameters() == 3_281_408
+
+
+def test_deepseek_dims_preset() -> None:
+    """The preset production kernels can serve: DeepSeek-V3's attention dims and scale, q-LoRA,
+    16 heads, and small enough to commit (<= 25 MB in bf16); the committed directory, once
+    there, holds exactly this model."""
+    train = _train_module("e2e_train_ds")
+    from mlacheck.e2e.config import DEEPSEEK_V3_ROPE_SCALING, ModelConfig
+    from mlacheck.e2e.tokenizer import CharTokenizer
+    from mlacheck.spec import DEEPSEEK_V3
+
+    cfg = train.model_config("deepseek-dims", CharTokenizer())
+    assert cfg.mla_dims == DEEPSEEK_V3
+    assert cfg.num_attention_heads >= 16 and cfg.q_lora_rank is not None
+    assert cfg.rope_scaling == DEEPSEEK_V3_ROPE_SCALING
+    assert cfg.softmax_scale == pytest.approx(0.135234, abs=1e-6)  # DeepSeek-V3's
+    assert cfg.num_parameters() == 11_409_024
+    assert 2 * cfg.num_parameters() <= 25e6
+    directory = COMMITTED_MODELS["deepseek-dims"]
+    if (directory / "config.json").is_file():
+        assert ModelConfig.load(directory / "config.json") == cfg
