@@ -26,6 +26,22 @@ probe() {
     fi
 }
 
+# A fact from Python: the code calls answer(value), which writes it to a file; what the
+# interpreter or a library prints on import (stdout or stderr) is dropped and cannot become
+# part of the value.
+py_answer() {
+    local file rc=0
+    file=$(mktemp "${TMPDIR:-/tmp}/mlacheck-ci.XXXXXX")
+    "$PYTHON" -c 'import sys
+def answer(value):
+    with open(sys.argv[1], "w") as f:
+        f.write(str(value))
+exec(sys.argv[2])' "$file" "$1" >/dev/null 2>&1 || rc=$?
+    if [[ $rc -eq 0 ]]; then cat "$file"; fi
+    rm -f "$file"
+    return "$rc"
+}
+
 # Which python and which mlacheck. Inside the mlacheck checkout itself the checkout's code is
 # what is tested, whatever an earlier `pip install -e` points at: put it first on PYTHONPATH.
 setup_python() {
@@ -40,10 +56,10 @@ setup_python() {
         MLA=("$PYTHON" -m mlacheck.cli)
     fi
     local plugin
-    plugin=$("$PYTHON" -c 'import mlacheck
+    plugin=$(py_answer 'import mlacheck
 from importlib.metadata import entry_points
-print(any(e.value.startswith("mlacheck.pytest_plugin") for e in entry_points(group="pytest11")))' \
-        2>/dev/null) || die "python '$PYTHON' cannot import mlacheck: pip install mlacheck (docs/ci.md)"
+answer(any(e.value.startswith("mlacheck.pytest_plugin") for e in entry_points(group="pytest11")))') ||
+        die "python '$PYTHON' cannot import mlacheck: pip install mlacheck (docs/ci.md)"
     # A checkout used without `pip install` has no pytest11 entry point: load the plugin by name.
     if [[ $plugin != True && -z ${PYTEST_PLUGINS:-} ]]; then
         export PYTEST_PLUGINS=mlacheck.pytest_plugin
@@ -79,9 +95,9 @@ detect_gpus() {
         if [[ ${n:-0} -gt 0 ]]; then GPU_TOOL=nvidia-smi GPU_TOOL_COUNT=$n; fi
     fi
 
-    TORCH_BUILD=$("$PYTHON" -c 'import torch
-print("rocm" if getattr(torch.version, "hip", None) else ("cuda" if torch.version.cuda else "cpu"))' \
-        2>/dev/null) || die "python '$PYTHON' cannot import torch (install the ROCm/CUDA build of torch first)"
+    TORCH_BUILD=$(py_answer 'import torch
+answer("rocm" if getattr(torch.version, "hip", None) else ("cuda" if torch.version.cuda else "cpu"))') ||
+        die "python '$PYTHON' cannot import torch (install the ROCm/CUDA build of torch first)"
 
     # VISIBLE_DEVICES: the GPUs this job may use (e.g. "0,1,2,3" on a shared node). Only the
     # variable of the platform is set: ROCm also reads CUDA_VISIBLE_DEVICES, and two
@@ -95,8 +111,8 @@ print("rocm" if getattr(torch.version, "hip", None) else ("cuda" if torch.versio
 
     GPU_COUNT=0
     if [[ $DEVICE != cpu && $TORCH_BUILD != cpu ]]; then
-        GPU_COUNT=$("$PYTHON" -c 'import torch
-print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null) || GPU_COUNT=0
+        GPU_COUNT=$(py_answer 'import torch
+answer(torch.cuda.device_count() if torch.cuda.is_available() else 0)') || GPU_COUNT=0
     fi
 
     local seen="no GPU tool found (amd-smi, rocm-smi, nvidia-smi)"
@@ -130,37 +146,37 @@ print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/nul
     fi
 }
 
-# The backends to run. Sets the array RUN_BACKENDS (empty: mlacheck's embedded default) and
-# NOTES (lines for the summary: the platform's backends that are not usable here).
-# BACKENDS (knob): space/comma separated names or pkg.module:factory paths, taken as given.
+# The backends to run. Sets the arrays RUN_BACKENDS (empty: mlacheck's embedded default),
+# NOTES (lines for the top of the summary: the required backends, the optional ones and
+# whether they ran) and UNUSABLE ("name: why" of required backends that are not usable here).
+# BACKENDS (knob): space/comma separated names or pkg.module:factory paths, all required
+# except those OPTIONAL_BACKENDS names; unset: the platform's defaults (ci/mlacheck_ci.py
+# PLATFORM_BACKENDS). What is usable comes from `mlacheck list --json` on stdout alone, read
+# from a file: nothing a library prints while it is imported (stdout or stderr, which goes to
+# backends.log) can change which backends run.
 choose_backends() {
-    RUN_BACKENDS=() NOTES=()
-    if [[ -n ${BACKENDS:-} ]]; then
-        read -r -a RUN_BACKENDS <<<"${BACKENDS//,/ }"
-        return
-    fi
-    if [[ $MODE == cpu ]]; then return 0; fi
-    local candidates=()
-    case $PLATFORM in
-        rocm) candidates=(aiter aiter-nonpersistent aiter-triton torch) ;;
-        *) candidates=(aiter-triton torch) ;;
-    esac
-    local listing
-    say "asking mlacheck list which backends are usable here"
-    listing=$("${MLA[@]}" list 2>&1) || die "mlacheck list failed: $(printf '%s' "$listing" | tail -n 1)"
-    # `mlacheck list`: "  name" (usable) or "  name   unavailable[ here]: why" under "backends:"
-    local b line
-    for b in "${candidates[@]}"; do
-        line=$(printf '%s\n' "$listing" | awk -v b="$b" '/^backends:/{f=1; next} /^[^ ]/{f=0} f && $1 == b {print; exit}')
-        if [[ -z $line ]]; then
-            NOTES+=("not run: $b (not known to this mlacheck)")
-        elif [[ $line =~ unavailable ]]; then
-            NOTES+=("not run: $b (${line#*: })")
-        else
-            RUN_BACKENDS+=("$b")
-        fi
-    done
-    [[ ${#RUN_BACKENDS[@]} -gt 0 ]] || die "no usable backend among: ${candidates[*]} (see mlacheck list)"
+    local dir=$1
+    RUN_BACKENDS=() NOTES=() UNUSABLE=()
+    if [[ $MODE == cpu && -z ${BACKENDS:-} ]]; then return 0; fi
+    local listing=$dir/backends.json plan=$dir/backends.plan platform=$PLATFORM
+    mkdir -p "$dir"
+    say "asking mlacheck list --json which backends are usable here"
+    "${MLA[@]}" list --json >"$listing" 2>"$dir/backends.log" ||
+        die "mlacheck list --json failed (exit $?; see $dir/backends.log)"
+    if [[ $MODE == cpu ]]; then platform=none; fi
+    local why
+    why=$("${CI_PY[@]}" plan "$listing" --platform "$platform" --out "$plan" \
+        --backends "${BACKENDS:-}" --optional "${OPTIONAL_BACKENDS:-}" 2>&1) ||
+        die "${why#mlacheck-ci: error: }"
+    local kind name
+    while IFS=$'\t' read -r kind name why; do
+        case $kind in
+            run) RUN_BACKENDS+=("$name") ;;
+            note) NOTES+=("$name") ;;
+            unusable) UNUSABLE+=("$name: $why") ;;
+        esac
+    done <"$plan"
+    return 0
 }
 
 # Run one matrix into $1 (a folder): results.jsonl, junit.xml, run.log, report.md/.html,
@@ -168,7 +184,7 @@ choose_backends() {
 # 1 FAIL/CRASH/XPASS, 3 suite error, 5 nothing selected, 6 not enough ran) or 2 when mlacheck
 # could not run at all (bad environment or usage, no verdicts).
 # Knobs read: MATRIX, WORKERS, MARKERS, TIMEOUT, REQUIRE_OPS, MIN_EXECUTED, ALLOW_XPASS;
-# uses MODE, RUN_BACKENDS, NOTES.
+# uses MODE, RUN_BACKENDS, NOTES, UNUSABLE.
 run_matrix() {
     local out=$1 title=$2
     mkdir -p "$out"
@@ -201,6 +217,17 @@ run_matrix() {
             "$CI_NAME" >&2
         return 0
     fi
+    if ! grep -q '"case_id"' "$out/results.jsonl" 2>/dev/null && [[ ${#UNUSABLE[@]} -gt 0 ]]; then
+        # mlacheck run refused to start: a required backend is not usable here (exit 6)
+        MATRIX_RC=6
+        if [[ $rc -ne 6 ]]; then MATRIX_RC=2; fi
+        local u
+        for u in "${UNUSABLE[@]}"; do
+            printf '%s: error: required backend %s is not usable here: %s (OPTIONAL_BACKENDS=%s runs without it)\n' \
+                "$CI_NAME" "${u%%: *}" "${u#*: }" "${u%%: *}" >&2
+        done
+        return 0
+    fi
     if ! grep -q '"case_id"' "$out/results.jsonl" 2>/dev/null; then
         MATRIX_RC=2
         local why
@@ -215,7 +242,8 @@ run_matrix() {
     src=${src%.yaml}
     if [[ ${#RUN_BACKENDS[@]} -eq 0 ]]; then src="$src, embedded default backends"; fi
     for n in "${NOTES[@]}"; do notes+=(--note "$n"); done
-    local src_note=(--note "matrix $src; device $device, $workers worker(s); artifacts in $out")
+    # device and worker count: the summary reads them from the results file's run header
+    local src_note=(--note "matrix $src; artifacts in $out")
     local src_rc=0
     "${CI_PY[@]}" summary "$out/results.jsonl" --title "$title" --md "$out/summary.md" \
         "${src_note[@]}" "${notes[@]}" "${backend_args[@]}" "${policy[@]}" \

@@ -6,6 +6,15 @@
         one line each (status, backend, op, case, reason and where), the biggest SKIP groups,
         and the gate's result. Exit: the gate's code (mlacheck.outcome, README "Exit codes":
         0 pass, 1 FAIL/CRASH/XPASS, 3 suite error, 6 not enough ran), 2 no verdicts.
+    python3 ci/mlacheck_ci.py plan LISTING --platform rocm|cuda|none --out FILE
+            [--backends "A B"] [--optional "C D"]
+        Which backends a CI job runs, from `mlacheck list --json` (LISTING; never its human
+        text): BACKENDS as given, else the platform's defaults (PLATFORM_BACKENDS). Every one
+        is required (`mlacheck run` ends with exit 6 and one line when a required backend is
+        not usable) unless named optional: OPTIONAL_BACKENDS, else the platform's default
+        optional ones; an optional backend runs when usable, else the summary says so at its
+        top. FILE gets TAB-separated lines: `run NAME`, `note TEXT`, `unusable NAME WHY`.
+        Exit 0, or 2 (one line) for a listing that is not mlacheck's or a bad knob.
     python3 ci/mlacheck_ci.py wait-server URL MODEL [--timeout S] [--interval S] [--pid PID]
         Until the OpenAI-compatible server at URL answers a 1-token completion for MODEL
         (mlacheck's own gate preflight). --timeout 0: ask once. --pid: give up as soon as
@@ -140,6 +149,18 @@ def render_summary(
     return "\n".join(screen) + "\n", "\n".join(md) + "\n", code
 
 
+def run_notes(path: Path) -> list[str]:
+    """Where the run(s) of a results file ran, from their headers (machine output)."""
+    from mlacheck.results import read_raw
+
+    out = []
+    for h in read_raw(path).headers:
+        workers = f", {h.workers} worker(s)" if h.workers else ""
+        out.append(f"ran on {h.device or 'an unrecorded device'}{workers}: "
+                   f"{len(h.expected)} item(s) of matrix {h.matrix or '?'}")
+    return list(dict.fromkeys(out))
+
+
 # The one-word result of each gate exit code (mlacheck.outcome).
 RESULT_WORDS = {0: "PASS", 1: "FAIL", 3: "SUITE ERROR", 6: "NOT ENOUGH RAN"}
 
@@ -164,14 +185,89 @@ def cmd_summary(args: argparse.Namespace) -> int:
     names = [resolve(b).name for b in split_backends(args.backend)]
     outcome = gate_outcome(path, names,
                            CoveragePolicy(ops, args.min_executed, args.allow_xpass))
-    screen, md, code = render_summary(loaded.verdicts, loaded.skipped, args.title,
-                                      args.note or [], outcome, loaded.expected,
-                                      loaded.missing)
+    notes = [*(args.note or []), *run_notes(path)]
+    screen, md, code = render_summary(loaded.verdicts, loaded.skipped, args.title, notes,
+                                      outcome, loaded.expected, loaded.missing)
     sys.stdout.write(screen)
     if args.md:
         Path(args.md).parent.mkdir(parents=True, exist_ok=True)
         Path(args.md).write_text(md, encoding="utf-8")
     return code
+
+
+# --------------------------------------------------------------------------- plan
+
+# Per platform (the torch build): the backends a GPU job runs when BACKENDS is not set, and
+# which of them are optional by default (run when usable, else named at the top of the
+# summary). On ROCm AITER's kernels are what the job exists for: all required. On CUDA the
+# documented install is AITER's Triton kernels (docs/aiter-triton.md); FlashInfer and FlashMLA
+# run when installed. torch, the reference implementation, runs everywhere, but never alone:
+# a GPU gate green on the reference alone tests no kernel (issue 27).
+PLATFORM_BACKENDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "rocm": (("aiter", "aiter-nonpersistent", "aiter-triton", "torch"), ()),
+    "cuda": (("aiter-triton", "flashinfer", "flashinfer-fa3", "flashmla", "torch"),
+             ("flashinfer", "flashinfer-fa3", "flashmla")),
+}
+
+
+def _names(text: str | None) -> list[str]:
+    return list(dict.fromkeys((text or "").replace(",", " ").split()))
+
+
+def plan_backends(listing: dict, platform: str, backends: str | None,
+                  optional: str | None) -> tuple[list[str], list[str], list[tuple[str, str]]]:
+    """(backends to run, notes for the top of the summary, required ones not usable with
+    why). An empty run list means mlacheck's embedded default (a CPU job without BACKENDS)."""
+    from mlacheck.inventory import SCHEMA_KEY
+
+    if not isinstance(listing, dict) or SCHEMA_KEY not in listing:
+        raise ValueError("the backend listing is not `mlacheck list --json` output")
+    status = {b["name"]: b for b in listing.get("backends", [])}
+    default, default_optional = PLATFORM_BACKENDS.get(platform, ((), ()))
+    chosen = _names(backends) or list(default)
+    if not chosen:
+        return [], [], []
+    opt = _names(optional) if _names(optional) else ([] if _names(backends) else
+                                                      list(default_optional))
+    stray = [o for o in opt if o not in chosen]
+    if stray:
+        raise ValueError(f"OPTIONAL_BACKENDS names {', '.join(stray)}, which this job does "
+                         f"not run (its backends: {' '.join(chosen)})")
+    run, unusable = [], []
+    notes = [f"required backends: {' '.join(n for n in chosen if n not in opt)}"]
+    for name in chosen:
+        st = status.get(name)  # None: an import path, `mlacheck run` resolves it
+        usable = st is None or bool(st.get("usable"))
+        why = "" if st is None else str(st.get("reason") or "")
+        if name in opt:
+            if usable:
+                run.append(name)
+            notes.append(f"optional backend {name} (OPTIONAL_BACKENDS): "
+                         + ("ran" if usable else f"not run: {why}"))
+            continue
+        run.append(name)
+        if not usable:
+            unusable.append((name, why))
+    return run, notes, unusable
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    try:
+        listing = json.loads(Path(args.listing).read_text(encoding="utf-8"))
+        run, notes, unusable = plan_backends(listing, args.platform, args.backends,
+                                             args.optional)
+    except (OSError, ValueError) as e:
+        return _error(f"cannot choose the backends: {e}")
+    lines = [f"run\t{n}" for n in run] + [f"note\t{_one(n)}" for n in notes]
+    lines += [f"unusable\t{n}\t{_one(why)}" for n, why in unusable]
+    Path(args.out).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return EXIT_OK
+
+
+def _one(text: str) -> str:
+    return " ".join(str(text).split())
 
 
 # --------------------------------------------------------------------------- server
@@ -307,6 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--require-ops", default="")
     s.add_argument("--min-executed", type=float, default=0.0)
     s.add_argument("--allow-xpass", action="store_true")
+    pl = sub.add_parser("plan")
+    pl.add_argument("listing")
+    pl.add_argument("--platform", required=True, choices=("rocm", "cuda", "none"))
+    pl.add_argument("--out", required=True)
+    pl.add_argument("--backends", default="")
+    pl.add_argument("--optional", default="")
     w = sub.add_parser("wait-server")
     w.add_argument("url")
     w.add_argument("model")
@@ -328,6 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {
         "summary": cmd_summary,
+        "plan": cmd_plan,
         "wait-server": cmd_wait_server,
         "baseline": cmd_baseline,
         "combine": cmd_combine,

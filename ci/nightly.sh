@@ -14,19 +14,21 @@
 # file, NIGHTLY_ENV (default ci/nightly.env, shell KEY=value lines); the environment wins.
 # The baseline is references/gsm8k/$BASELINE.json (or BASELINE as a path).
 #
+# Backends: as ci/premerge.sh (BACKENDS, OPTIONAL_BACKENDS, the platform's required defaults).
 # CPU machine: the smoke matrix on the embedded default backend, the quick self-test, and the
 # gate skipped with a clear line unless a URL (or SERVER_CMD) is given.
 #
 # Exit (README "Exit codes"; the worst step wins): 0 all steps pass (or were skipped); 1 a step
 # failed (a FAIL/CRASH/XPASS verdict, a fault the self-test missed, the gate FAILs); 3 a suite
-# error; 6 not enough ran (a requested backend ran nothing, coverage policy, incomplete);
+# error; 6 not enough ran (a required backend not usable here or running nothing, coverage
+# policy, incomplete);
 # 2 bad environment: ONE line on stderr (no GPU with
 # REQUIRE_GPU=1, baseline missing or unreadable, server unreachable or never answering,
 # lm-eval missing, no verdicts recorded). Environment problems are checked before the
 # matrix runs, so a misconfigured night fails in seconds, not hours.
 #
 # Artifacts ($ARTIFACTS): nightly.md (the combined report), matrix/ (results.jsonl,
-# junit.xml, report.md, report.html, summary.md, run.log), selftest.log, gsm8k/ (run.json,
+# junit.xml, report.md, report.html, summary.md, run.log, backends.json), selftest.log, gsm8k/ (run.json,
 # run.responses.jsonl, gsm8k_gate.md/.json/.png, run.log), server.log.
 set -euo pipefail
 
@@ -39,7 +41,8 @@ load_env_file "$NIGHTLY_ENV"
 # ---- knobs (environment variables, or NIGHTLY_ENV) --------------------------------------------
 STEPS=${STEPS:-matrix selftest gate}    # which steps to run, in this order
 MATRIX=${MATRIX:-}                      # default nightly (GPU) / smoke (CPU); or a YAML path
-BACKENDS=${BACKENDS:-}                  # default: every usable backend of the platform (CPU: embedded)
+BACKENDS=${BACKENDS:-}                  # default: the platform's backends (CPU: embedded); see ci/premerge.sh
+OPTIONAL_BACKENDS=${OPTIONAL_BACKENDS:-} # of those, the ones that may be missing (run when usable)
 DEVICE=${DEVICE:-auto}                  # auto | cpu | cuda (GPUs: VISIBLE_DEVICES)
 WORKERS=${WORKERS:-}                    # xdist workers; default 1 on CPU, on GPUs mlacheck run's (2 cores each, <= 8 per GPU)
 ARTIFACTS=${ARTIFACTS:-./mlacheck-artifacts}
@@ -170,7 +173,7 @@ step_matrix() {
         STEP_ROWS+=("kernel matrix=skipped (not in STEPS)")
         return 0
     fi
-    choose_backends
+    choose_backends "$ARTIFACTS/matrix"
     local n
     for n in "${NOTES[@]}"; do say "$n"; done
     local name=${MATRIX##*/}

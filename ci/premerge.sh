@@ -6,24 +6,29 @@
 #   ci/premerge.sh                      # ROCm/CUDA runner, or CPU fallback
 #   MATRIX=smoke BACKENDS=torch ci/premerge.sh
 #
-# GPU node: MATRIX=premerge on ROCm backends aiter, aiter-nonpersistent, aiter-triton, torch
-# (CUDA: aiter-triton, torch), those that `mlacheck list` calls usable; the others are named
-# in the summary as "not run". CPU machine (no GPU seen by torch): the smoke matrix on
-# mlacheck's embedded default backend, so a CPU CI can run this script as is.
+# GPU node: MATRIX=premerge on the platform's backends, each required: ROCm aiter,
+# aiter-nonpersistent, aiter-triton, torch; CUDA aiter-triton, torch, and flashinfer,
+# flashinfer-fa3, flashmla when installed (optional by default). A required backend that
+# `mlacheck list --json` does not call usable ends the job with exit 6 and one line naming it
+# and why; OPTIONAL_BACKENDS makes one optional (run when usable), and the summary says so at
+# its top. CPU machine (no GPU seen by torch): the smoke matrix on mlacheck's embedded
+# default backend, so a CPU CI can run this script as is.
 #
 # Exit (README "Exit codes"): 0 everything requested ran and passed (SKIP with reasons and
 # KNOWN allowed); 1 some FAIL, CRASH or strict XPASS; 3 a suite error; 5 nothing selected;
-# 6 not enough ran (a requested backend executed no case, REQUIRE_OPS / MIN_EXECUTED not met,
-# an incomplete run); 2 bad environment or usage (one line on stderr: REQUIRE_GPU=1 without a
+# 6 not enough ran (a required backend is not usable here or executed no case, REQUIRE_OPS /
+# MIN_EXECUTED not met, an incomplete run); 2 bad environment or usage (one line on stderr: REQUIRE_GPU=1 without a
 # GPU, GPUs torch cannot see, unknown backend, bad matrix, nothing recorded).
 #
 # Artifacts ($ARTIFACTS): results.jsonl, junit.xml, report.md, report.html, summary.txt,
-# summary.md (the markdown CI posts as a step summary), run.log, report.log.
+# summary.md (the markdown CI posts as a step summary), run.log, report.log, backends.json
+# (`mlacheck list --json`), backends.log (what the backends' libraries printed meanwhile).
 set -euo pipefail
 
 # ---- knobs (environment variables) ---------------------------------------------------------
 MATRIX=${MATRIX:-}                      # matrix name or YAML path; default premerge (GPU) / smoke (CPU)
-BACKENDS=${BACKENDS:-}                  # space/comma separated; default: every usable one (see above)
+BACKENDS=${BACKENDS:-}                  # space/comma separated; default: the platform's (see above)
+OPTIONAL_BACKENDS=${OPTIONAL_BACKENDS:-} # of those, the ones that may be missing (run when usable)
 DEVICE=${DEVICE:-auto}                  # auto | cpu | cuda (ROCm GPUs are "cuda" to torch)
 WORKERS=${WORKERS:-}                    # xdist workers; default 1 on CPU, on GPUs mlacheck run's (2 cores each, <= 8 per GPU)
 ARTIFACTS=${ARTIFACTS:-./mlacheck-artifacts}
@@ -50,9 +55,9 @@ main() {
         MATRIX=smoke
         if [[ $MODE == gpu ]]; then MATRIX=premerge; fi
     fi
-    choose_backends
     mkdir -p "$ARTIFACTS" || die "cannot create ARTIFACTS=$ARTIFACTS"
     ARTIFACTS=$(cd "$ARTIFACTS" && pwd)
+    choose_backends "$ARTIFACTS"
     local n
     for n in "${NOTES[@]}"; do say "$n"; done
     local name=${MATRIX##*/}

@@ -238,77 +238,40 @@ def _available_gib() -> float:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from mlacheck.backends.faults import FAULTS, PREFIX
-    from mlacheck.backends.registry import BackendError, available_names, resolve
-    from mlacheck.matrices import load, names
+    from mlacheck import inventory
 
     if args.coverage is not None:
         return _print_coverage(args.coverage)
     if args.faults:
+        from mlacheck.backends.faults import FAULTS, PREFIX
+
         for spec in FAULTS.values():
             print(f"  {PREFIX}{spec.name:26s} class {spec.class_label:22s} {spec.mechanism}")
         return EXIT_OK
+    if args.json:
+        from mlacheck.processes import machine_stdout
+
+        with machine_stdout() as out:  # what libraries print while probed goes to stderr
+            out.write(json.dumps(inventory.listing(), indent=1) + "\n")
+        return EXIT_OK
+    from mlacheck.backends.faults import PREFIX
+
     print("backends:")
-    faults = [n for n in available_names() if n.startswith(PREFIX)]
-    for name in available_names():
-        if name.startswith(PREFIX):
+    for s in inventory.backend_statuses():
+        if not s.usable:
+            # a name that cannot be resolved at all vs. one whose library is missing here
+            where = "" if s.reason and s.reason.startswith("backend ") else " here"
+            print(f"  {s.name:18s} unavailable{where}: {s.reason}")
             continue
-        try:
-            b = resolve(name)
-        except BackendError as e:
-            print(f"  {name:18s} unavailable: {e}")
-            continue
-        why = b.unavailable()
-        if why:
-            print(f"  {name:18s} unavailable here: {why}")
-            continue
-        print(f"  {name}")
-        for op, cap in b.capabilities().items():
-            print(f"    {op:18s} {describe_capability(cap)}")
-    print(f"  {PREFIX}* ({len(faults)} planted faults for `mlacheck selftest`; "
+        print(f"  {s.name}")
+        for op, text in s.capabilities.items():
+            print(f"    {op:18s} {text}")
+    print(f"  {PREFIX}* ({inventory.fault_count()} planted faults for `mlacheck selftest`; "
           "`mlacheck list --faults` lists them)")
     print("matrices:")
-    for m in names():
-        print(f"  {m:10s} {len(load(m).cases)} cases")
+    for m, n in inventory.matrix_counts().items():
+        print(f"  {m:10s} {n} cases")
     return EXIT_OK
-
-
-def describe_capability(cap: object) -> str:
-    """What a capability restricts: the fields that differ from an unrestricted one."""
-    from dataclasses import fields
-
-    from mlacheck.backends.base import Capability
-
-    unrestricted = Capability()
-    parts = []
-    for f in fields(cap):  # type: ignore[arg-type]
-        v = getattr(cap, f.name)
-        if f.name == "notes" or v is None or v == "" or (
-                hasattr(unrestricted, f.name) and v == getattr(unrestricted, f.name)) or (
-                isinstance(v, list | tuple | set | frozenset) and not v):
-            continue
-        parts.append(f"{f.name}={describe_value(v)}")
-    return " ".join(parts) or "any case"
-
-
-def describe_value(v: object) -> str:
-    """A capability value for people: strings as they are, numbers in numeric order, rules
-    by their name, pairs as q/kv."""
-    if isinstance(v, str | bool | int | float) or v is None:
-        return str(v)
-    if callable(v):
-        qual = getattr(v, "__qualname__", repr(v)).split(".<locals>")[0]
-        return qual.strip("_").replace("_", " ")
-    if isinstance(v, list | tuple | set | frozenset):
-        items = sorted(v, key=lambda x: (not isinstance(x, int | float),
-                                         x if isinstance(x, int | float) else str(x)))
-        return "{" + ", ".join(f"{x[0]}/{x[1]}" if _is_pair(x) else describe_value(x)
-                               for x in items) + "}"
-    return str(v)
-
-
-def _is_pair(x: object) -> bool:
-    return isinstance(x, tuple) and len(x) == 2 and all(isinstance(y, str) for y in x)
 
 
 def _print_coverage(matrices: list[str]) -> int:
@@ -479,6 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="show which boundary classes each matrix (default: all) covers, per op")
     ls.add_argument("--faults", action="store_true",
                     help="list the planted faults (fault:<name>) and their mechanisms")
+    ls.add_argument("--json", action="store_true",
+                    help="one JSON document on stdout (what CI scripts read): every backend with "
+                         "usable / reason / version / capabilities, the matrices with their case "
+                         "counts, the platform; what libraries print while imported goes to "
+                         "stderr")
 
     rp = sub.add_parser("replay", help="re-run exactly one case and print the full verdict",
                         description="Re-run one case (by id, from a case.json, or from the "

@@ -303,8 +303,15 @@ class _State:
         # keyed as the verdict lines key items: by the backend's name, not the request
         expected = [(self.backend(it.backend).name, it.case.id) for it in self.selected]
         header = results_file.new_header(expected, self.backend_names,
-                                         getattr(self, "matrix_name", ""), self.device)
+                                         getattr(self, "matrix_name", ""), self.device,
+                                         self.workers)
         results_file.append_line(self.results, header.to_line())
+
+    @property
+    def workers(self) -> int:
+        """Processes running items: xdist's workers, or this one."""
+        n = getattr(self.config.option, "numprocesses", None)
+        return n if isinstance(n, int) and n > 0 else 1
 
     def why_nothing_selected(self) -> str:
         """Why a run selected no item: the matrix, --resume and -k / -m each take their part."""

@@ -42,10 +42,12 @@ class RunHeader:
     device: str = ""
     started: float = 0.0
     schema: int = SCHEMA
+    workers: int = 0  # processes that ran items (xdist workers, or 1); 0: not recorded
 
     def to_line(self) -> str:
         run = {"expected": [list(k) for k in self.expected], "backends": list(self.backends),
-               "matrix": self.matrix, "device": self.device, "started": self.started}
+               "matrix": self.matrix, "device": self.device, "started": self.started,
+               "workers": self.workers}
         return json.dumps({HEADER_KEY: self.schema, "run": run}, sort_keys=True) + "\n"
 
     @classmethod
@@ -55,11 +57,13 @@ class RunHeader:
         return cls(tuple((str(b), str(c)) for b, c in run.get("expected", [])),
                    tuple(run.get("backends", [])), str(run.get("matrix", "")),
                    str(run.get("device", "")), float(run.get("started", 0.0)),
-                   schema if isinstance(schema, int) else 1)
+                   schema if isinstance(schema, int) else 1, int(run.get("workers") or 0))
 
 
-def new_header(expected: list[ItemKey], backends: list[str], matrix: str, device: str) -> RunHeader:
-    return RunHeader(tuple(expected), tuple(backends), matrix, device, time.time())
+def new_header(expected: list[ItemKey], backends: list[str], matrix: str, device: str,
+               workers: int = 0) -> RunHeader:
+    return RunHeader(tuple(expected), tuple(backends), matrix, device, time.time(),
+                     workers=workers)
 
 
 def is_header(d: object) -> bool:

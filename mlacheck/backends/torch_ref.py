@@ -37,6 +37,12 @@ class TorchBackend:
     def unavailable(self) -> str | None:
         return None
 
+    def version(self) -> str:
+        """mlacheck's own implementation, on the torch it runs with."""
+        import mlacheck
+
+        return f"mlacheck {mlacheck.__version__} (torch {torch.__version__})"
+
     def softmax_scale(self, case: Case) -> float:
         """The scale this implementation applies (always the case's; fault doubles override)."""
         return case.softmax_scale

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from mlacheck import cli
+from mlacheck import cli, inventory
 from mlacheck.backends.base import Capability, Range
 from mlacheck.matrices import names
 
@@ -56,15 +56,15 @@ def _heads_fold_rule(gfx: str):  # noqa: ANN202 - a rule factory, as backends wr
 
 
 def test_capability_values_read_as_values() -> None:
-    assert cli.describe_value(_heads_fold_rule("gfx942")) == "heads fold rule"  # its factory
-    assert cli.describe_value("aiter-model mla_prefill: no paged layouts") == (
+    assert inventory.describe_value(_heads_fold_rule("gfx942")) == "heads fold rule"  # its factory
+    assert inventory.describe_value("aiter-model mla_prefill: no paged layouts") == (
         "aiter-model mla_prefill: no paged layouts")  # a string, not a set of its characters
-    assert cli.describe_value((1024, 16, 64, 1)) == "{1, 16, 64, 1024}"  # numeric order
-    assert cli.describe_value(_long_prefill_only) == "long prefill only"  # a rule by its name
-    assert cli.describe_value((("bf16", "fp8_e4m3fn"),)) == "{bf16/fp8_e4m3fn}"
+    assert inventory.describe_value((1024, 16, 64, 1)) == "{1, 16, 64, 1024}"  # numeric order
+    assert inventory.describe_value(_long_prefill_only) == "long prefill only"  # a rule by its name
+    assert inventory.describe_value((("bf16", "fp8_e4m3fn"),)) == "{bf16/fp8_e4m3fn}"
     cap = Capability(page_sizes=(64, 1, 16), refusal="needs a GPU", rules=(_long_prefill_only,),
                      head_counts=Range(16, 128))
-    line = cli.describe_capability(cap)
+    line = inventory.describe_capability(cap)
     assert "page_sizes={1, 16, 64}" in line and "refusal=needs a GPU" in line
     assert "<function" not in line and "{ ," not in line
 

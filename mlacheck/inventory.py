@@ -1,0 +1,142 @@
+"""What this machine offers mlacheck: each backend (usable or why not, its version), the
+matrices and their case counts, the platform (torch build, GPUs).
+
+`mlacheck list` prints it for people; `mlacheck list --json` prints the same facts as one JSON
+document, which is what CI scripts read (ci/mlacheck_ci.py plan): never the human text, whose
+layout a library's import-time log lines can break (issue 27: AITER's `[aiter] Triton ops
+only: ...` line ended the old parse, and the GPU gate ran the reference alone).
+"""
+
+from __future__ import annotations
+
+import platform as _platform
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Version of the JSON layout (`mlacheck_list` key); readers accept this and older.
+SCHEMA = 1
+SCHEMA_KEY = "mlacheck_list"
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """One backend as `mlacheck list` reports it."""
+
+    name: str
+    usable: bool
+    reason: str | None = None  # why not usable (None when usable)
+    version: str | None = None  # what the backend says it runs (library and version)
+    source: str = "builtin"  # builtin | entry point | fault
+    capabilities: dict[str, str] = field(default_factory=dict)  # op -> what it restricts
+
+
+def backend_status(name: str, source: str = "builtin") -> BackendStatus:
+    """Resolve `name` and ask it whether it is usable here; anything that goes wrong on the
+    way (an import error, a factory or probe that raises) is the reason it is not."""
+    from mlacheck.backends.registry import BackendError, resolve
+
+    try:
+        b = resolve(name)
+    except BackendError as e:
+        return BackendStatus(name, False, str(e), source=source)
+    try:
+        why = b.unavailable()
+    except Exception as e:  # noqa: BLE001 - a broken probe is a reason, not a crash of `list`
+        why = f"unavailable() raised {type(e).__name__}: {e}"
+    if why:
+        return BackendStatus(name, False, str(why), source=source)
+    version = getattr(b, "version", None)
+    try:
+        text = str(version()) if callable(version) else None
+        caps = {op: describe_capability(cap) for op, cap in b.capabilities().items()}
+    except Exception as e:  # noqa: BLE001
+        return BackendStatus(name, False, f"probing its capabilities raised {type(e).__name__}: "
+                                          f"{e}", source=source)
+    return BackendStatus(name, True, None, text, source, caps)
+
+
+def backend_statuses(faults: bool = False) -> list[BackendStatus]:
+    """Every backend known here (built-ins, entry points; planted faults when `faults`)."""
+    from mlacheck.backends.faults import PREFIX
+    from mlacheck.backends.registry import BUILTIN, available_names
+
+    out = []
+    for name in available_names():
+        fault = name.startswith(PREFIX)
+        if fault and not faults:
+            continue
+        source = "fault" if fault else "builtin" if name in BUILTIN else "entry point"
+        out.append(backend_status(name, source))
+    return out
+
+
+def fault_count() -> int:
+    from mlacheck.backends.faults import PREFIX
+    from mlacheck.backends.registry import available_names
+
+    return sum(n.startswith(PREFIX) for n in available_names())
+
+
+def matrix_counts() -> dict[str, int]:
+    from mlacheck.matrices import load, names
+
+    return {m: len(load(m).cases) for m in names()}
+
+
+def platform_facts() -> dict[str, Any]:
+    """The torch build and the GPUs it sees (HIP/CUDA_VISIBLE_DEVICES respected)."""
+    import torch
+
+    import mlacheck
+
+    build = "rocm" if getattr(torch.version, "hip", None) else "cuda" if torch.version.cuda else "cpu"
+    gpus = torch.cuda.device_count() if build != "cpu" and torch.cuda.is_available() else 0
+    return {"mlacheck": mlacheck.__version__, "python": _platform.python_version(),
+            "torch": torch.__version__, "torch_build": build, "gpus": gpus,
+            "gpu_names": [torch.cuda.get_device_name(i) for i in range(gpus)]}
+
+
+def listing() -> dict[str, Any]:
+    """The whole inventory as one JSON-ready document."""
+    return {SCHEMA_KEY: SCHEMA, "platform": platform_facts(),
+            "backends": [asdict(s) for s in backend_statuses()],
+            "faults": fault_count(),
+            "matrices": [{"name": m, "cases": n} for m, n in matrix_counts().items()]}
+
+
+def describe_capability(cap: object) -> str:
+    """What a capability restricts: the fields that differ from an unrestricted one."""
+    from dataclasses import fields
+
+    from mlacheck.backends.base import Capability
+
+    unrestricted = Capability()
+    parts = []
+    for f in fields(cap):  # type: ignore[arg-type]
+        v = getattr(cap, f.name)
+        if f.name == "notes" or v is None or v == "" or (
+                hasattr(unrestricted, f.name) and v == getattr(unrestricted, f.name)) or (
+                isinstance(v, list | tuple | set | frozenset) and not v):
+            continue
+        parts.append(f"{f.name}={describe_value(v)}")
+    return " ".join(parts) or "any case"
+
+
+def describe_value(v: object) -> str:
+    """A capability value for people: strings as they are, numbers in numeric order, rules
+    by their name, pairs as q/kv."""
+    if isinstance(v, str | bool | int | float) or v is None:
+        return str(v)
+    if callable(v):
+        qual = getattr(v, "__qualname__", repr(v)).split(".<locals>")[0]
+        return qual.strip("_").replace("_", " ")
+    if isinstance(v, list | tuple | set | frozenset):
+        items = sorted(v, key=lambda x: (not isinstance(x, int | float),
+                                         x if isinstance(x, int | float) else str(x)))
+        return "{" + ", ".join(f"{x[0]}/{x[1]}" if _is_pair(x) else describe_value(x)
+                               for x in items) + "}"
+    return str(v)
+
+
+def _is_pair(x: object) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and all(isinstance(y, str) for y in x)
