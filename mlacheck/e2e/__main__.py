@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,12 +24,29 @@ from mlacheck.spec import FORMATS, Placement, Quant
 
 def _attention_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", type=Path, default=Path("references/e2e_model"))
-    ap.add_argument("--backend", default="torch", help="mlacheck backend name or pkg.mod:factory")
+    ap.add_argument(
+        "--backend",
+        default="torch",
+        help="mlacheck backend name or pkg.mod:factory: decode, and prefill unless "
+        "--prefill-backend is given",
+    )
+    ap.add_argument(
+        "--prefill-backend",
+        default=None,
+        help="backend for prefill (default: --backend; e.g. flashmla has no prefill)",
+    )
     ap.add_argument("--q", default="bf16", choices=FORMATS, help="q format handed to the backend")
     ap.add_argument("--kv", default="bf16", choices=FORMATS, help="k/v and latent cache format")
     ap.add_argument("--scale", default="amax", choices=("amax", "unit"), help="FP8 scale policy")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--placement", default="shuffled", choices=("packed", "shuffled"))
+    ap.add_argument(
+        "--tail-poison",
+        default="nan",
+        choices=("nan", "sentinel"),
+        help="what free pages and the unwritten tail of a last page hold: NaN (any read of "
+        "them shows) or a large finite value (only a kernel that uses them shows)",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument(
@@ -50,11 +68,12 @@ def _runner(args: argparse.Namespace):  # noqa: ANN202
     att = AttentionConfig(
         quant=Quant(q=args.q, kv=args.kv, scale=args.scale),
         page_size=args.page_size,
-        placement=Placement(kind=args.placement),
+        placement=Placement(kind=args.placement, tail_poison=args.tail_poison),
     )
     model = load_model(args.model, device=args.device, dtype=torch.float32)
     tok = load_tokenizer(args.model, model.config.bos_token_id, model.config.eos_token_id)
-    return MLARunner(model, resolve(args.backend), att), tok
+    prefill = resolve(args.prefill_backend) if args.prefill_backend else None
+    return MLARunner(model, resolve(args.backend), att, prefill_backend=prefill), tok
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             res = evaluate_runner(runner, tok, held_out_set(args.n), batch_size=args.batch_size)
             print(
                 f"held-out accuracy {res.accuracy:.2%} ({res.correct}/{res.n}) with backend "
-                f"{runner.backend.name}, {runner.attention.quant.slug}, {res.seconds:.0f} s"
+                f"{runner.backend_label}, {runner.attention.quant.slug}, {res.seconds:.0f} s"
             )
         else:
             from mlacheck.e2e.lm import MLACheckLM
@@ -114,6 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from mlacheck.gate.tasks import get_task
 
             task = get_task(args.task)
+            t0 = time.perf_counter()
             runner, tok = _runner(args)
             lm = MLACheckLM(runner, tok, batch_size=args.batch_size)
             label = args.label or f"e2e:{args.model.name}"
@@ -128,17 +148,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                     data_dir=args.data_dir,
                     max_gen_toks=args.max_gen_toks,
                     kv_dtype=args.kv,
-                    attention_backend=args.backend,
+                    attention_backend=runner.backend_label,
                     extra={
+                        "decode_backend": runner.backend.name,
+                        "prefill_backend": runner.prefill_backend.name,
                         "q_dtype": args.q,
                         "scale": args.scale,
                         "page_size": str(args.page_size),
+                        "placement": runner.attention.placement.slug,
+                        "device": args.device,
+                        "batch_size": str(args.batch_size),
                     },
                 ),
             )
             acc = rec.metrics[STRICT].accuracy
             n = len(rec.samples)
-            print(f"wrote {args.out}: {task.name} {STRICT} {acc:.2%} on {n} questions")
+            print(
+                f"wrote {args.out}: {task.name} {STRICT} {acc:.2%} on {n} questions with "
+                f"{runner.backend_label}, {runner.attention.quant.slug}, page size "
+                f"{args.page_size}, {time.perf_counter() - t0:.0f} s"
+            )
     except (E2EError, GateError, BackendError, ValueError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2

@@ -61,21 +61,24 @@ class MLACheckLM(LM):  # type: ignore[misc]
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         batch_size: int = DEFAULT_BATCH_SIZE,
+        prefill_backend: Backend | str | None = None,
     ) -> MLACheckLM:
         """A model directory (config.json, weights, tokenizer.json) run through `backend`
-        (an mlacheck backend or its registry name)."""
+        (an mlacheck backend or its registry name; prefill through `prefill_backend` when
+        given)."""
         model = load_model(path, device=device, dtype=dtype)
         be = resolve(backend) if isinstance(backend, str) else backend
+        pbe = resolve(prefill_backend) if isinstance(prefill_backend, str) else prefill_backend
         tok = load_tokenizer(path, model.config.bos_token_id, model.config.eos_token_id)
-        runner = MLARunner(model, be, attention or AttentionConfig())
+        runner = MLARunner(model, be, attention or AttentionConfig(), prefill_backend=pbe)
         return cls(runner, tok, batch_size=batch_size)
 
     @classmethod
     def create_from_arg_string(
         cls, arg_string: str, additional_config: dict[str, Any] | None = None
     ) -> MLACheckLM:
-        """lm-eval's `--model_args`: `pretrained=DIR,backend=torch,q=bf16,kv=fp8_e4m3fn,
-        scale=amax,page_size=16,device=cpu,batch_size=64`."""
+        """lm-eval's `--model_args`: `pretrained=DIR,backend=torch,prefill_backend=torch,
+        q=bf16,kv=fp8_e4m3fn,scale=amax,page_size=16,device=cpu,batch_size=64`."""
         args: dict[str, str] = {}
         for part in filter(None, (p.strip() for p in arg_string.split(","))):
             k, _, v = part.partition("=")
@@ -94,6 +97,7 @@ class MLACheckLM(LM):  # type: ignore[misc]
             attention=att,
             device=args.get("device", "cpu"),
             batch_size=int(bs),
+            prefill_backend=args.get("prefill_backend"),
         )
 
     # -- lm-eval API

@@ -163,7 +163,11 @@ class PagedLatentCache:
 
 
 class MLARunner:
-    """Runs an `MLAModel` with its attention through `backend` (see the module docstring)."""
+    """Runs an `MLAModel` with its attention through `backend` (see the module docstring).
+
+    `backend` serves decode and, unless `prefill_backend` is given, prefill too: a decode-only
+    kernel (FlashMLA) runs beside another one's prefill, and a kernel is tested in one op with
+    the reference in the other."""
 
     def __init__(
         self,
@@ -171,12 +175,15 @@ class MLARunner:
         backend: Backend,
         attention: AttentionConfig = AttentionConfig(),
         observer: Observer | None = None,
+        prefill_backend: Backend | None = None,
     ) -> None:
-        why = backend.unavailable()
-        if why:
-            raise E2EError(f"backend {backend.name} unavailable: {why}")
-        self.model = model.eval()
         self.backend = backend
+        self.prefill_backend = backend if prefill_backend is None else prefill_backend
+        for be in dict.fromkeys((self.backend, self.prefill_backend)):
+            why = be.unavailable()
+            if why:
+                raise E2EError(f"backend {be.name} unavailable: {why}")
+        self.model = model.eval()
         self.attention = attention
         self.observer = observer
         self.config = model.config
@@ -196,11 +203,22 @@ class MLARunner:
         assert isinstance(layer, DecoderLayer)
         return layer.self_attn
 
+    @property
+    def backend_label(self) -> str:
+        """`name`, or `decode NAME / prefill NAME` when the two ops run on different backends."""
+        if self.prefill_backend is self.backend or self.prefill_backend.name == self.backend.name:
+            return self.backend.name
+        return f"decode {self.backend.name} / prefill {self.prefill_backend.name}"
+
+    def backend_for(self, case: Case) -> Backend:
+        return self.prefill_backend if isinstance(case, PrefillCase) else self.backend
+
     def _run(self, case: Case, inputs: Inputs) -> torch.Tensor:
-        why = skip_reason(self.backend, case, self.device.type)
+        backend = self.backend_for(case)
+        why = skip_reason(backend, case, self.device.type)
         if why:
-            raise E2EError(f"cannot run the model's attention: {self.backend.name} {case.op}: {why}")
-        res = self.backend.run(case, inputs)
+            raise E2EError(f"cannot run the model's attention: {backend.name} {case.op}: {why}")
+        res = backend.run(case, inputs)
         if self.observer is not None:
             self.observer(case, inputs, res)
         self.counts.by_op[case.op] = self.counts.by_op.get(case.op, 0) + 1

@@ -95,3 +95,27 @@ def test_gate_run_through_lm_eval(tmp_path: Path) -> None:
     assert rec.complete and len(rec.samples) == 6
     assert rec.metadata.backend == "in-process:MLACheckLM"
     assert lm.runner.counts.prefill == 2  # 6 questions in batches of 4
+
+
+def test_gate_command_records_which_backend_ran_each_op(tmp_path: Path) -> None:
+    """`python -m mlacheck.e2e gate --prefill-backend`: the record names both backends and
+    the cache settings (a gate run of a decode-only kernel must say what served prefill)."""
+    import json
+
+    from mlacheck.e2e.__main__ import main as e2e_main
+
+    data = write_gsm8k_dir(tmp_path / "data", n_train=3, n_test=3)
+    model_dir = tmp_path / "model"
+    save_model(tiny_model(), model_dir, dtype=torch.float32)
+    CharTokenizer().save(model_dir)
+    out = tmp_path / "run.json"
+    argv = ["gate", "--model", str(model_dir), "--backend", "torch", "--prefill-backend",
+            "torch-split", "--page-size", "4", "--tail-poison", "sentinel", "--data-dir",
+            str(data), "--out", str(out), "--max-gen-toks", "4", "--threads", "1"]
+    assert e2e_main(argv) == 0
+    meta = json.loads(out.read_text())["metadata"]
+    assert meta["attention_backend"] == "decode torch / prefill torch-split"
+    extra = meta["extra"]
+    assert (extra["decode_backend"], extra["prefill_backend"]) == ("torch", "torch-split")
+    assert (extra["page_size"], extra["placement"]) == ("4", "shuffled-sentinel")
+    assert e2e_main([*argv[:5], "--prefill-backend", "no-such-backend", *argv[7:]]) == 2

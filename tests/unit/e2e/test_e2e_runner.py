@@ -144,3 +144,38 @@ def test_backends_that_cannot_run_the_model_say_why() -> None:
         MLARunner(model, _Unavailable(name="gone"))
     with pytest.raises(E2EError, match="per-token"):
         AttentionConfig(quant=Quant(q="fp8_e4m3fn", kv="fp8_e4m3fn", per_token=True))
+
+
+class _Counting(TorchBackend):
+    def __init__(self, name: str, ops: tuple[str, ...]) -> None:
+        super().__init__(name=name)
+        self.ops = ops
+        self.calls: list[str] = []
+
+    def capabilities(self) -> dict[str, Capability]:
+        return {op: c for op, c in super().capabilities().items() if op in self.ops}
+
+    def run(self, case, inputs):  # noqa: ANN001, ANN201
+        self.calls.append(case.op)
+        return super().run(case, inputs)
+
+
+def test_decode_and_prefill_run_on_their_own_backends() -> None:
+    """A decode-only kernel (FlashMLA) serves decode beside another backend's prefill; the
+    tokens are the same as with one backend for both."""
+    model = tiny_model()
+    ref = MLARunner(model, TorchBackend(), AttentionConfig(quant=FP32)).generate(PROMPTS, NEW)
+    decode = _Counting("decode-only", ("mla_decode",))
+    prefill = _Counting("prefill-only", ("mla_prefill",))
+    runner = MLARunner(model, decode, AttentionConfig(quant=FP32), prefill_backend=prefill)
+    assert runner.generate(PROMPTS, NEW) == ref
+    n_layers = model.config.num_hidden_layers
+    assert prefill.calls == ["mla_prefill"] * n_layers
+    assert decode.calls == ["mla_decode"] * n_layers * (NEW - 1)
+    assert runner.backend_label == "decode decode-only / prefill prefill-only"
+    assert MLARunner(model, TorchBackend()).backend_label == "torch"
+    # one backend for both: it must provide both ops, and the missing one is named
+    with pytest.raises(E2EError, match="decode-only mla_prefill: does not provide op"):
+        MLARunner(model, decode).generate(PROMPTS, 2)
+    with pytest.raises(E2EError, match="unavailable: no such device"):
+        MLARunner(model, TorchBackend(), prefill_backend=_Unavailable(name="gone"))
