@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                     counts[v.status] += 1
                     if v.status == PASS and v.metrics.get("bound"):
                         worst_ratio = max(worst_ratio, v.metrics["worst_row"] / v.metrics["bound"])
-                    if v.status not in (PASS, SKIP):
+                    if v.kernel_failed or v.is_suite_error:
                         print(v.summary(), flush=True)
                     rec = {k: x for k, x in v.to_dict().items() if k != "metrics"}
                     rec["metrics"] = {k: x for k, x in v.metrics.items() if k != "heatmap"}

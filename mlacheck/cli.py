@@ -330,8 +330,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from mlacheck.harness import RunOptions, run_case
     from mlacheck.preflight import resolve_device
     from mlacheck.pytest_plugin import split_backends
-    from mlacheck.verdict import CRASH, ERROR, FAIL
-
     case = find_case(args.case)
     backends = [resolve(b) for b in split_backends([args.backend] if args.backend else None)
                 or DEFAULT_BACKENDS]
@@ -351,9 +349,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(json.dumps({"checks": checks, "timings": v.timings,
                           "metrics": {k: x for k, x in v.metrics.items() if k != "heatmap"}},
                          indent=1, default=str))
-        if v.status in (FAIL, CRASH):
+        if v.kernel_failed:
             code = EXIT_KERNEL_FAILURE
-        elif v.status == ERROR and code == EXIT_OK:
+        elif v.is_suite_error and code == EXIT_OK:
             from mlacheck.outcome import EXIT_SUITE_ERROR
 
             code = EXIT_SUITE_ERROR

@@ -31,7 +31,7 @@ from mlacheck.localise import (
     units_phrase,
 )
 from mlacheck.spec import Case, PrefillCase
-from mlacheck.verdict import CRASH, FAIL, PASS, Check, Verdict, Where, ranges
+from mlacheck.verdict import FAIL, PASS, Check, Verdict, Where, ranges
 
 # --------------------------------------------------------------------------- metrics
 
@@ -92,7 +92,7 @@ def with_known_label(v: Verdict, case: Case) -> Verdict:
     """Label a verdict about the kernel (PASS / FAIL / CRASH) with the documented finding
     (mlacheck.known) that matches its backend and case: KNOWN when it fails, XPASS when it
     passes. SKIP and ERROR say nothing about the kernel and are never labelled."""
-    rule = known.lookup(v.backend, case) if v.status in (PASS, FAIL, CRASH) else None
+    rule = known.lookup(v.backend, case) if v.executed else None
     if rule is not None:
         v.known_failure, v.known_rule = rule.finding, rule.name
     return v

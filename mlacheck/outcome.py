@@ -14,7 +14,8 @@ from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from mlacheck.verdict import CRASH, ERROR, FAIL, PASS, SKIP
+from mlacheck import verdict
+from mlacheck.verdict import CRASH, ERROR, FAIL, KNOWN, XPASS  # noqa: F401 (KNOWN: re-exported)
 
 # Exit codes (README "Exit codes"). 4 and 5 are pytest's own (usage error as pytest reports
 # it, nothing collected); 2 is mlacheck's usage/environment error before any case runs.
@@ -29,8 +30,6 @@ EXIT_NOT_ENOUGH_RAN = 6  # coverage policy violated, or the run is incomplete
 # any case) is pytest's 3, which is the suite-error code here: it gets a code of its own.
 EXIT_INTERNAL_ERROR = 7
 
-XPASS = "XPASS"
-KNOWN = "KNOWN"
 # How many distinct skip reasons the per-backend x op table names.
 TOP_SKIP_REASONS = 3
 
@@ -58,16 +57,12 @@ class Item:
     known: bool = False  # a known-failure rule matches this (backend, case)
 
     @property
-    def bucket(self) -> str:
-        if self.known and self.status in (FAIL, CRASH):
-            return KNOWN
-        if self.known and self.status == PASS:
-            return XPASS
-        return self.status
+    def bucket(self) -> str:  # what it means: mlacheck.verdict, the one owner
+        return verdict.bucket(self.status, self.known)
 
     @property
     def executed(self) -> bool:
-        return self.status not in (SKIP, ERROR)
+        return verdict.executed(self.status)
 
 
 @dataclass

@@ -392,7 +392,7 @@ def mla_state(request: pytest.FixtureRequest) -> _State:
 def check_item(item: Item, state: _State, node: pytest.Item) -> None:
     """Run one item, record its verdict, and turn it into a pytest outcome."""
     from mlacheck.harness import DeviceError, RunOptions, run_case
-    from mlacheck.verdict import CRASH, ERROR, FAIL, PASS, SKIP, Verdict
+    from mlacheck.verdict import CRASH, KNOWN, SKIP, XPASS, Verdict
 
     if state.device_poisoned:
         pytest.skip(f"device context poisoned by an earlier device error ({state.device_poisoned})")
@@ -414,17 +414,17 @@ def check_item(item: Item, state: _State, node: pytest.Item) -> None:
     node.user_properties.append((STATUS_PROPERTY, verdict.status))  # for the controller
     if state.device_poisoned and is_worker(state.config):
         os._exit(DEVICE_ERROR_EXIT)  # xdist reports this item crashed and starts a new worker
-    if verdict.status == SKIP:
+    if verdict.bucket == SKIP:
         pytest.skip(verdict.reason)
-    if verdict.known_failure and verdict.status in (FAIL, CRASH):
+    if verdict.bucket == KNOWN:
         pytest.xfail(f"known failure: {verdict.known_failure}\n{verdict.summary()}")
-    if verdict.known_failure and verdict.status == PASS and not state.policy.allow_xpass:
+    if verdict.bucket == XPASS and not state.policy.allow_xpass:
         pytest.fail(f"XPASS {item.backend} {item.case.id}: the known failure "
                     f"{verdict.known_rule!r} passes; remove its rule from mlacheck/known.py "
                     "(or run with --allow-xpass)", pytrace=False)
-    if verdict.status == ERROR:
+    if verdict.is_suite_error:
         pytest.fail(f"{verdict.summary()}\n(mlacheck's own error, not the kernel's)", pytrace=False)
-    if verdict.status in (FAIL, CRASH):
+    if verdict.kernel_failed:
         pytest.fail(verdict.summary(), pytrace=False)
 
 
@@ -501,14 +501,14 @@ STATUS_PROPERTY = "mla_status"
 
 def _progress_outcome(report: pytest.TestReport) -> str:
     """What the progress line counts this finished item as."""
-    from mlacheck.verdict import CRASH, ERROR
+    from mlacheck.verdict import CRASH, is_suite_error
 
-    status = dict(report.user_properties).get(STATUS_PROPERTY)
+    status = str(dict(report.user_properties).get(STATUS_PROPERTY, ""))
     if hasattr(report, "wasxfail"):
         return "known"
     if report.when == "???" or status == CRASH:  # "???": its worker died under it
         return "crashed"
-    return "error" if status == ERROR else report.outcome
+    return "error" if is_suite_error(status) else report.outcome
 
 
 _CONFIG: dict[str, pytest.Config] = {}

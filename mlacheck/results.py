@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlacheck.verdict import ERROR
+from mlacheck.verdict import is_suite_error
 
 # Version of the header's layout; a reader accepts this and older. 2: `expected` names each
 # backend as its verdicts do (Backend.name); 1 named it as requested (a spec: `pkg.mod:factory`).
@@ -174,7 +174,7 @@ def recorded_items(path: Path | None) -> set[ItemKey]:
     for r in read_raw(path).records:
         key = (str(r.get("backend_spec") or r.get("backend", "")), str(r.get("case_id", "")))
         latest[key] = str(r.get("status", ""))
-    return {key for key, status in latest.items() if status != ERROR}
+    return {key for key, status in latest.items() if not is_suite_error(status)}
 
 
 def check_resumable(path: Path, option: str = "--resume") -> None:

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 from mlacheck.backends.faults import FAULTS, FaultSpec
 from mlacheck.errors import OneLineParser, UsageError
 from mlacheck.spec import MIN_OFFSET_BITS, OFFSET_BITS, Case
-from mlacheck.verdict import CRASH, FAIL, PASS, SKIP, Verdict
+from mlacheck.verdict import CRASH, PASS, SKIP, Verdict
 
 if TYPE_CHECKING:  # torch stays unimported until a run starts (`--help` is instant)
     from mlacheck.matrices import MatrixCase
@@ -88,7 +88,7 @@ class FaultResult:
 
     @property
     def failing(self) -> list[Verdict]:
-        return [v for v in self.verdicts if v.status in (FAIL, CRASH)]
+        return [v for v in self.verdicts if v.kernel_failed]
 
     @property
     def ran(self) -> list[Verdict]:
@@ -116,7 +116,7 @@ class BackendResult:
 
     @property
     def false_alarms(self) -> list[Verdict]:
-        return [v for v in self.verdicts if v.status in (FAIL, CRASH)]
+        return [v for v in self.verdicts if v.kernel_failed]
 
     def count(self, status: str) -> int:
         return sum(v.status == status for v in self.verdicts)
@@ -224,7 +224,7 @@ def search_fault(res: FaultResult, device: str, budget: int, inner: str | None =
             if priming is not None:
                 run_case(priming, backend, opts)
         v = run_case(case, backend, opts)
-        seen[case.id] = v.status in (FAIL, CRASH)
+        seen[case.id] = v.kernel_failed
         if seen[case.id]:
             failing[case.id] = v
         return seen[case.id]

@@ -40,7 +40,7 @@ from mlacheck.spec import (
     Segment,
     SparseDecodeCase,
 )
-from mlacheck.verdict import CRASH, FAIL, Verdict
+from mlacheck.verdict import Verdict
 
 # 16 first: the head count every MLA kernel handles natively (no padding); then by size.
 HEAD_COUNTS: tuple[int, ...] = (16, 8, 12, 24, 32, 64, 128)
@@ -375,7 +375,7 @@ def find_failing_case(
 
     def fails(case: Case) -> bool:
         v = run_case(case, backend, opts)
-        if v.status in (FAIL, CRASH):
+        if v.kernel_failed:
             failing[case.id] = v
             return True
         return False

@@ -1,8 +1,25 @@
-"""What a verdict is: statuses, checks, locations and their JSON form (no torch).
+"""What a verdict is and what it means: statuses, buckets, checks, locations and their JSON
+form (no torch).
 
 The judge (mlacheck.judge) decides verdicts; the results file, the report, the gate decision
 (mlacheck.outcome) and CI scripts read them. Keeping the data model apart lets those readers
 load results without importing torch or the judging policy.
+
+This module is the one owner of what a status means. Everything else asks it, on a verdict
+(`v.bucket`, `v.kernel_failed`, `v.executed`, `v.is_suite_error`) or on a bare status read
+from a results line (the functions of the same names); nobody writes `status in (FAIL,
+CRASH)` out again:
+
+    status  known rule  bucket  kernel_failed  executed  is_suite_error
+    PASS    no / yes    PASS / XPASS   no        yes       no
+    FAIL    no / yes    FAIL / KNOWN   yes       yes       no
+    CRASH   no / yes    CRASH / KNOWN  yes       yes       no
+    SKIP    -           SKIP           no        no        no
+    ERROR   -           ERROR          no        no        yes
+
+A bucket is the column a verdict is counted in (report, CI summary, gate): KNOWN is a kernel
+failure a documented finding (mlacheck.known) explains; XPASS is a documented finding whose
+case now passes (its rule is stale; strict runs fail on it).
 """
 
 from __future__ import annotations
@@ -16,6 +33,39 @@ PASS, FAIL, CRASH, SKIP = "PASS", "FAIL", "CRASH", "SKIP"
 # mlacheck itself failed on the case (building inputs or the golden): the suite's error,
 # never charged to the kernel under test.
 ERROR = "ERROR"
+# Buckets beyond the statuses: a documented finding that fails (KNOWN) or passes (XPASS).
+KNOWN, XPASS = "KNOWN", "XPASS"
+STATUSES: tuple[str, ...] = (PASS, FAIL, CRASH, SKIP, ERROR)
+BUCKETS: tuple[str, ...] = (PASS, FAIL, CRASH, ERROR, SKIP, KNOWN, XPASS)
+
+
+def kernel_failed(status: str) -> bool:
+    """The kernel under test gave a wrong result or died (FAIL or CRASH), known or not."""
+    return status in (FAIL, CRASH)
+
+
+def executed(status: str) -> bool:
+    """The kernel ran on the case: a verdict about the kernel (not SKIP, not a suite ERROR)."""
+    return status not in (SKIP, ERROR)
+
+
+def is_suite_error(status: str) -> bool:
+    """mlacheck itself failed on the case: never charged to the kernel."""
+    return status == ERROR
+
+
+def bucket(status: str, known: bool = False) -> str:
+    """The column a status is counted in; `known`: a known-failure rule matches the item."""
+    if known and kernel_failed(status):
+        return KNOWN
+    if known and status == PASS:
+        return XPASS
+    return status
+
+
+def noteworthy(a_bucket: str) -> bool:
+    """A bucket the reports put in view: all but PASS and SKIP (a KNOWN failure is shown too)."""
+    return a_bucket not in (PASS, SKIP)
 
 
 @dataclass
@@ -82,6 +132,22 @@ class Verdict:
     # The axis the failure lies along, in words (mlacheck.localise.diagnose): the first line
     # of the failure card.
     diagnosis: str = ""
+
+    @property
+    def bucket(self) -> str:
+        return bucket(self.status, bool(self.known_failure))
+
+    @property
+    def kernel_failed(self) -> bool:
+        return kernel_failed(self.status)
+
+    @property
+    def executed(self) -> bool:
+        return executed(self.status)
+
+    @property
+    def is_suite_error(self) -> bool:
+        return is_suite_error(self.status)
 
     @property
     def failed_checks(self) -> list[Check]:

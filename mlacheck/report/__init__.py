@@ -5,7 +5,7 @@ Plots need matplotlib (the `report` extra); without it the reports are written w
 """
 
 from mlacheck.report.cli import main
-from mlacheck.report.load import known_failure, load_results, read_results
+from mlacheck.report.load import load_results, read_results
 from mlacheck.report.render_html import render_html, write_html
 from mlacheck.report.render_md import render_markdown, write_markdown
 from mlacheck.report.summary import KNOWN, Summary, summarise
@@ -13,7 +13,6 @@ from mlacheck.report.summary import KNOWN, Summary, summarise
 __all__ = [
     "KNOWN",
     "Summary",
-    "known_failure",
     "load_results",
     "main",
     "read_results",

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mlacheck.results import latest_per_item, read_raw
-from mlacheck.verdict import CRASH, FAIL, PASS, Verdict
+from mlacheck.verdict import Verdict
 
 
 @dataclass
@@ -91,17 +91,3 @@ def skipped_message(path: str | Path, bad_lines: list[int]) -> str:
         "a truncated last line means the run died"
     )
 
-
-def known_failure(v: Verdict) -> str:
-    """The documented known-failure reason of a verdict ('' for none or a plain Verdict)."""
-    return v.known_failure
-
-
-def is_known(v: Verdict) -> bool:
-    """A FAIL/CRASH that is a documented finding: counted as KNOWN, still shown."""
-    return bool(known_failure(v)) and v.status in (FAIL, CRASH)
-
-
-def is_xpass(v: Verdict) -> bool:
-    """A documented finding whose case now passes: its rule is stale (strict: fails the gate)."""
-    return bool(known_failure(v)) and v.status == PASS

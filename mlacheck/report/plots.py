@@ -13,7 +13,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from mlacheck.report.summary import KNOWN, STATUSES, Failure, Summary, ratio
-from mlacheck.verdict import CRASH, FAIL, PASS, SKIP
+from mlacheck.verdict import CRASH, FAIL, PASS, SKIP, noteworthy
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -70,7 +70,7 @@ def status_bars(summary: Summary) -> bytes | None:
         left = [a + b for a, b in zip(left, n, strict=True)]
     for y, (k, end) in enumerate(zip(keys, left, strict=True)):
         # a single FAIL is a sliver: spell the problems out at the end of each bar
-        problems = [f"{summary.counts[k][s]} {s}" for s in order if s not in (PASS, SKIP)]
+        problems = [f"{summary.counts[k][s]} {s}" for s in order if noteworthy(s)]
         problems = [p for p in problems if not p.startswith("0 ")]
         if problems:
             ax.annotate(

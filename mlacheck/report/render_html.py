@@ -12,12 +12,21 @@ import json
 from html import escape
 from pathlib import Path
 
-from mlacheck.outcome import KNOWN, XPASS
 from mlacheck.report import plots
-from mlacheck.report.load import known_failure
 from mlacheck.report.render_md import warnings_of
-from mlacheck.report.summary import Failure, Summary, bucket, ratio, summarise
-from mlacheck.verdict import CRASH, ERROR, FAIL, PASS, SKIP, Verdict
+from mlacheck.report.summary import Failure, Summary, ratio, summarise
+from mlacheck.verdict import (
+    BUCKETS,
+    CRASH,
+    ERROR,
+    FAIL,
+    KNOWN,
+    PASS,
+    SKIP,
+    XPASS,
+    Verdict,
+    noteworthy,
+)
 
 MAX_HEATMAPS = 40  # heat maps embedded (each ~30-60 kB); later failures get text only
 MAX_WHERE = 40  # where-messages listed per failure
@@ -188,7 +197,7 @@ def _known(s: Summary) -> str:
 
 def _card(f: Failure, with_plot: bool, known: bool = False) -> str:
     v = f.verdict
-    cls = KNOWN if known else v.status
+    cls = v.bucket
     parts = [
         f'<article class="card {_cls(cls)}"><h3><span class="badge {_cls(cls)}">'
         f"{escape(cls)}</span> {escape(v.backend)} {escape(v.op)} "
@@ -199,7 +208,7 @@ def _card(f: Failure, with_plot: bool, known: bool = False) -> str:
     if v.diagnosis:  # the axis the failure lies along (mlacheck.localise)
         parts.append(f'<div class="diagnosis">{escape(v.diagnosis)}</div>')
     if known:
-        parts.append(f'<div class="warn">known failure: {escape(known_failure(v))}</div>')
+        parts.append(f'<div class="warn">known failure: {escape(v.known_failure)}</div>')
     png = plots.error_heatmap(f) if with_plot else None
     text = [_checks_table(v), _where_list(v)]
     if v.status == CRASH and isinstance(tb := v.metrics.get("traceback"), str):
@@ -317,10 +326,10 @@ def _timings(s: Summary) -> str:
 
 def _all_cases(verdicts: list[Verdict]) -> str:
     """Every case: problems in view; SKIP and PASS rows folded (PASS closest to the bound first)."""
-    problems = [v for v in verdicts if bucket(v) not in (PASS, SKIP)]
-    skipped = [v for v in verdicts if bucket(v) == SKIP]
-    passed = [v for v in verdicts if bucket(v) == PASS]
-    problems.sort(key=lambda v: (ROW_ORDER.get(bucket(v), 5), v.backend, v.op, v.case_id))
+    problems = [v for v in verdicts if noteworthy(v.bucket)]
+    skipped = [v for v in verdicts if v.bucket == SKIP]
+    passed = [v for v in verdicts if v.bucket == PASS]
+    problems.sort(key=lambda v: (ROW_ORDER.get(v.bucket, 5), v.backend, v.op, v.case_id))
     skipped.sort(key=lambda v: (v.backend, v.op, v.reason, v.case_id))
     passed.sort(key=lambda v: (-(ratio(v) or 0.0), v.backend, v.op, v.case_id))
     out = [f'<h2 id="cases">All cases ({len(verdicts)})</h2>']
@@ -342,8 +351,8 @@ def _all_cases(verdicts: list[Verdict]) -> str:
 def _case_table(vs: list[Verdict]) -> str:
     rows = []
     for v in vs:
-        r, b = ratio(v), bucket(v)
-        reason = v.reason + (f" [known: {known_failure(v)}]" if known_failure(v) else "")
+        r, b = ratio(v), v.bucket
+        reason = v.reason + (f" [known: {v.known_failure}]" if v.known_failure else "")
         rows.append(
             f'<tr{" class=over" if r is not None and r > 1 else ""}><td><span class="badge '
             f'{_cls(b)}">{escape(b)}</span></td><td>{escape(v.backend)}</td><td>{escape(v.op)}</td>'
@@ -373,7 +382,7 @@ def _num(x: object) -> str:
 
 
 def _cls(status: str) -> str:
-    return status if status in (PASS, FAIL, CRASH, ERROR, SKIP, KNOWN, XPASS) else "OTHER"
+    return status if status in BUCKETS else "OTHER"
 
 
 def _s(n: int) -> str:

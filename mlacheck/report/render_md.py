@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mlacheck.report.load import known_failure
 from mlacheck.report.summary import Summary, summarise
 from mlacheck.verdict import Verdict
 
@@ -95,7 +94,7 @@ def _known(s: Summary) -> list[str]:
         v = f.verdict
         out.append(
             f"- {v.status} {v.backend} {v.op} `{v.case_id}`: {_cell(v.reason)} "
-            f"— known: {_cell(known_failure(v))}"
+            f"— known: {_cell(v.known_failure)}"
         )
     return out + [""]
 

@@ -12,21 +12,11 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from mlacheck import tolerances
-from mlacheck.outcome import KNOWN, XPASS
-from mlacheck.report.load import is_known, is_xpass, known_failure
-from mlacheck.verdict import CRASH, ERROR, FAIL, PASS, SKIP, Verdict
+from mlacheck.verdict import CRASH, FAIL, KNOWN, PASS, SKIP, XPASS, Verdict
 
 # ERROR and XPASS are columns only when some verdict has them (see Summary.statuses).
 STATUSES: tuple[str, ...] = (PASS, FAIL, CRASH, SKIP, KNOWN)
 PHASES: tuple[str, ...] = ("inputs", "kernel", "golden", "baseline", "judge")
-
-
-def bucket(v: Verdict) -> str:
-    """The column a verdict is counted in: its status, KNOWN for a documented finding that
-    fails, XPASS for one that passes."""
-    if is_known(v):
-        return KNOWN
-    return XPASS if is_xpass(v) else v.status
 
 
 def ratio(v: Verdict) -> float | None:
@@ -152,16 +142,16 @@ def summarise(verdicts: list[Verdict], unparsable: int = 0, *, expected: int = 0
     what the run header said it would run."""
     return Summary(
         total=len(verdicts),
-        by_status=Counter(bucket(v) for v in verdicts),
+        by_status=Counter(v.bucket for v in verdicts),
         counts=count_table(verdicts),
         skips=skip_groups(verdicts),
         failures=[Failure(v, v.summary()) for v in failures_first(verdicts)],
         known=[
-            Failure(v, f"{v.summary()}\n  known failure: {known_failure(v)}")
+            Failure(v, f"{v.summary()}\n  known failure: {v.known_failure}")
             for v in verdicts
-            if is_known(v)
+            if v.bucket == KNOWN
         ],
-        stale_known=[v for v in verdicts if known_failure(v) and v.status == PASS],
+        stale_known=[v for v in verdicts if v.bucket == XPASS],
         distributions=distributions(verdicts),
         timings=phase_times(verdicts),
         duplicates=superseded + sum(
@@ -176,7 +166,7 @@ def summarise(verdicts: list[Verdict], unparsable: int = 0, *, expected: int = 0
 def count_table(verdicts: list[Verdict]) -> dict[tuple[str, str], Counter[str]]:
     table: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
     for v in verdicts:
-        table[(v.backend, v.op)][bucket(v)] += 1
+        table[(v.backend, v.op)][v.bucket] += 1
     return dict(sorted(table.items()))
 
 
@@ -184,7 +174,7 @@ def skip_groups(verdicts: list[Verdict]) -> list[SkipGroup]:
     """SKIPs grouped by backend, op and exact reason; the biggest holes first."""
     groups: dict[tuple[str, str, str], list[str]] = defaultdict(list)
     for v in verdicts:
-        if v.status == SKIP:
+        if v.bucket == SKIP:
             groups[(v.backend, v.op, v.reason or "(no reason given)")].append(v.case_id)
     rows = [SkipGroup(b, o, r, len(ids), tuple(ids[:3])) for (b, o, r), ids in groups.items()]
     return sorted(rows, key=lambda g: (-g.count, g.backend, g.op, g.reason))
@@ -193,7 +183,7 @@ def skip_groups(verdicts: list[Verdict]) -> list[SkipGroup]:
 def failures_first(verdicts: list[Verdict]) -> list[Verdict]:
     """Unexplained FAIL/CRASH verdicts and suite ERRORs: per backend x op, crashes first, then
     worst ratio."""
-    bad = [v for v in verdicts if v.status in (FAIL, CRASH, ERROR) and not is_known(v)]
+    bad = [v for v in verdicts if (v.kernel_failed and v.bucket != KNOWN) or v.is_suite_error]
     return sorted(
         bad, key=lambda v: (v.backend, v.op, v.status != CRASH, -(ratio(v) or 0.0), v.case_id)
     )
