@@ -190,6 +190,19 @@ def as_ints(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(int_dtype(t.dtype))
 
 
+def select_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x[rows] (dim 0) through the integer view of x's bits: fp8 has no index_select kernel
+    on every device."""
+    bits = int_dtype(x.dtype)
+    return x.view(bits).index_select(0, rows.to(x.device)).view(x.dtype)
+
+
+def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat along dim 0 through the integer view (fp8 has no cat kernel everywhere)."""
+    bits = int_dtype(parts[0].dtype)
+    return torch.cat([p.view(bits) for p in parts]).view(parts[0].dtype)
+
+
 def nan_fill_value(name: str) -> tuple[torch.dtype, int]:
     """(integer view dtype, bit pattern) that writes this format's NaN with one fill."""
     f = fmt(name)

@@ -337,8 +337,7 @@ class Guarded:
 
 
 def _select_pages(data: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    bits = fp8.int_dtype(data.dtype)  # index_select has no fp8 kernels either
-    return data.view(bits).index_select(0, pages).view(data.dtype)
+    return fp8.select_rows(data, pages)
 
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from mlacheck import sparse_index
 from mlacheck.kvcache import PageTable
 
 
@@ -110,22 +111,16 @@ def topk_to_global_slots(topk: torch.Tensor, qo_indptr: torch.Tensor,
     """
     dev = topk.device
     idx = topk.detach().long().cpu()
-    q_lens = (qo_indptr[1:] - qo_indptr[:-1]).long().cpu()
-    if int(q_lens.sum()) != idx.shape[0]:
-        raise ValueError(f"topk has {idx.shape[0]} rows for {int(q_lens.sum())} query tokens")
-    req = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]
-    valid = idx >= 0
-    kv_lens = table.kv_lens[req]  # [T]
-    if bool((valid & (idx >= kv_lens[:, None])).any()):
+    req = sparse_index.token_requests(qo_indptr.cpu())
+    if req.numel() != idx.shape[0]:
+        raise ValueError(f"topk has {idx.shape[0]} rows for {req.numel()} query tokens")
+    if bool(((idx >= 0) & (idx >= table.kv_lens[req][:, None])).any()):
         raise ValueError("a top-k position is past its request's kv_len")
-    ps = table.page_size
     block_table, _ = table.to_vllm(pad_value=0)
-    safe = idx.clamp(min=0)
-    pages = block_table.long()[req[:, None], safe // ps]
-    slots = pages * ps + safe % ps
+    slots = sparse_index.to_global_slots(idx, req, block_table, table.page_size)
     if slots.numel() and int(slots.max()) >= 2**31:
         raise ValueError("global slot ids do not fit int32")
-    return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32).to(dev)
+    return slots.to(torch.int32).to(dev)
 
 
 def library_version(distributions: Sequence[str], module: ModuleType | None = None) -> str:

@@ -6,17 +6,16 @@ import functools
 
 import torch
 
+from mlacheck.fp8 import cat_rows
 from mlacheck.golden.core import (
     Operand,
     Request,
     Result,
     attend_each,
     concat,
-    exact_matmuls,
     per_tensor,
-    score_block_elements,
-    softmax_v,
 )
+from mlacheck.golden.sparse import sparse_attention
 from mlacheck.inputs import DecodeInputs
 
 
@@ -59,34 +58,24 @@ def sparse_reference(
     inputs: DecodeInputs, variant: str = "exact", dtype: torch.dtype = torch.float32,
     budget: int | None = None,
 ) -> Result:
-    """Sparse decode: token t attends to the kv positions topk_indices[t] (-1 ignored).
+    """Sparse decode: token t attends to the kv positions topk_indices[t] of its request
+    (-1, or a position past the request's kv_len, ignored).
 
-    A token with no valid index gets output 0 and LSE -inf (defined, not NaN).
+    A token with no valid index gets output 0 and LSE -inf (defined, not NaN). The requests'
+    KV is laid end to end and the positions made rows of it, so the one sparse attention
+    (golden.sparse) serves decode and prefill alike.
     """
     case = inputs.case
     assert inputs.topk_indices is not None
-    rank = case.dims.kv_lora_rank
-    q = _query_operand(inputs, variant).get(dtype)
-    kvs = [_kv_operand(inputs, variant, r).get(dtype) for r in range(len(case.requests))]
-    idx = inputs.topk_indices.long()
-    t_total, h, _ = q.shape
-    topk = idx.shape[1]
-    owner = torch.repeat_interleave(
-        torch.arange(len(kvs)), torch.tensor([r.q_len for r in case.requests])
-    ).tolist()
-    out = torch.zeros((t_total, h, rank), dtype=dtype, device=q.device)
-    lse = torch.full((t_total, h), float("-inf"), dtype=dtype, device=q.device)
-    tb = max(1, (budget or score_block_elements(dtype)) // max(1, h * topk))
-    with exact_matmuls():
-        for t0 in range(0, t_total, tb):
-            t1 = min(t_total, t0 + tb)
-            rows = idx[t0:t1]
-            valid = rows >= 0
-            gathered = torch.stack(
-                [kvs[owner[t]][rows[t - t0].clamp(min=0), 0] for t in range(t0, t1)]
-            )  # [tb, topk, 576]
-            s = torch.einsum("thd,tkd->thk", q[t0:t1], gathered).mul_(case.softmax_scale)
-            seen = valid[:, None, :].to(s.device)  # padded slots (clamped to 0) must not leak
-            s.masked_fill_(~seen, float("-inf"))
-            out[t0:t1], lse[t0:t1] = softmax_v(s, gathered[..., :rank], seen, 0, careful=True)
-    return Result(out, lse)
+    kvs = [_kv_operand(inputs, variant, r) for r in range(len(case.requests))]
+    kv = Operand(cat_rows([k.data for k in kvs]), kvs[0].scale)
+    q_lens = torch.tensor([r.q_len for r in case.requests])
+    kv_lens = torch.tensor([r.kv_len for r in case.requests])
+    starts = torch.cumsum(kv_lens, 0) - kv_lens
+    owner = torch.repeat_interleave(torch.arange(len(kvs)), q_lens)
+    idx = inputs.topk_indices.long().cpu()
+    inside = (idx >= 0) & (idx < kv_lens[owner][:, None])
+    rows = torch.where(inside, idx + starts[owner][:, None], torch.full_like(idx, -1))
+    res = sparse_attention(_query_operand(inputs, variant), kv, rows, case.softmax_scale,
+                           case.dims.kv_lora_rank, dtype, budget)
+    return Result(res.out, res.lse)
