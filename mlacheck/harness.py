@@ -194,8 +194,8 @@ def _run_admitted(case: Case, backend: Backend, opts: RunOptions, base: Verdict,
             judge.refine_diagnosis(v, inp, gold, _probe(case, backend, inp, opts,
                                                         v.metrics["axis"] in judge.ALONE_AXES))
         if v.status == FAIL and tuple(out.out.shape) == tuple(gold.out.shape):  # the report's
-            v.metrics.update(heatmap.metrics(judge.row_errors(out.out.detach().cpu(),
-                                                              gold.out.detach().cpu())))
+            v.metrics.update(heatmap.metrics(judge.by_rows(
+                judge.row_errors, out.out.detach(), gold.out.detach().to(out.out.device))))
     except Exception as e:  # noqa: BLE001 - localisation never decides a verdict
         v.metrics["localisation_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
     t["judge"] = time.perf_counter() - clock

@@ -304,3 +304,31 @@ def test_kept_inputs_go_back_when_the_next_test_is_another_case() -> None:
             assert len(harness._SHARED) == kept, nxt
     finally:
         harness.release_shared()
+
+
+@pytest.mark.parametrize("case", [DECODE, PREFILL], ids=["decode", "prefill"])
+def test_judging_in_row_slices_decides_as_in_one_pass(monkeypatch: pytest.MonkeyPatch,
+                                                      case: spec.Case) -> None:
+    """The full-size passes run in row slices (judge.SLICE_ELEMENTS, so that a 268M-element
+    output is judged on its GPU without fp64 copies of it): slices of a few rows give the
+    same checks, locations and metrics as one pass, on a failing and a NaN-poisoned output."""
+    from mlacheck import judge
+
+    def edit(res: Output, inputs) -> None:  # noqa: ANN001
+        res.out[1:3] = (res.out[1:3].float() * 1.03).to(res.out.dtype)
+        res.out[-1, 2] = float("nan")
+
+    verdicts = []
+    for elements in (1 << 40, 3 * case.num_heads * 512):  # one slice; slices of ~3 rows
+        monkeypatch.setattr(judge, "SLICE_ELEMENTS", elements)
+        verdicts.append(run(Planted(edit), case))
+    whole, sliced = verdicts
+    assert whole.status == sliced.status == FAIL
+    assert [(c.name, c.passed) for c in whole.checks] == [(c.name, c.passed) for c in sliced.checks]
+    for a, b in zip(whole.checks, sliced.checks, strict=True):  # tensor-wide sums: fp64 order
+        assert a.value == pytest.approx(b.value, rel=1e-12, nan_ok=True), a.name
+        assert a.bound == pytest.approx(b.bound, rel=1e-12, nan_ok=True), a.name
+    assert whole.where == sliced.where and whole.diagnosis == sliced.diagnosis
+    for key in ("worst_row", "bound", "max_abs", "max_cosine_distance", "ideal_worst_row"):
+        assert whole.metrics[key] == sliced.metrics[key], key
+    assert whole.metrics["heatmap"] == sliced.metrics["heatmap"]
