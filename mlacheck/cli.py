@@ -103,6 +103,11 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
             raise UsageError(f"--require-ops: unknown op {op!r}; ops: {', '.join(OPS)}")
     if not 0.0 <= args.min_executed <= 1.0:
         raise UsageError("--min-executed must be a fraction in 0..1")
+    shard = None
+    if args.shard:
+        from mlacheck import shard as shard_mod
+
+        shard = shard_mod.parse(args.shard)
     results = check_output_file(args.results, "results file")
     if args.junit:
         check_output_file(args.junit, "JUnit XML file")
@@ -142,6 +147,8 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         argv.append(f"--mla-min-executed={args.min_executed}")
     if args.allow_xpass:
         argv.append("--mla-allow-xpass")
+    if shard is not None:
+        argv.append(f"--mla-shard={shard}")
     if args.junit:
         argv.append(f"--junitxml={args.junit}")
     if args.k:
@@ -149,8 +156,10 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.m:
         argv += ["-m", args.m]
     argv += extra
-    print(f"mlacheck: matrix {matrix.name} ({len(matrix.cases)} cases) x backends {', '.join(backends)}"
-          f" on {device}, {workers} worker(s); results -> {results}", flush=True)
+    part = f", shard {shard} of its cases" if shard is not None else ""
+    print(f"mlacheck: matrix {matrix.name} ({len(matrix.cases)} cases{part}) x backends "
+          f"{', '.join(backends)} on {device}, {workers} worker(s); results -> {results}",
+          flush=True)
     import pytest
 
     os.environ.setdefault("PYTHONHASHSEED", "0")
@@ -434,6 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "otherwise exit 6 (default 0: only a backend that runs nothing fails)")
     r.add_argument("--allow-xpass", action="store_true",
                    help="a known failure that now passes does not fail the run (default: exit 1)")
+    r.add_argument("--shard", default=None, metavar="K/N",
+                   help="run the K-th of N shards (1 <= K <= N): the selection's cases split "
+                        "by estimated time, the same on every runner; `mlacheck merge` joins "
+                        "the N results files (docs/ci.md)")
 
     ls = sub.add_parser("list", help="backends available here and matrices")
     ls.add_argument("--coverage", nargs="*", default=None, metavar="MATRIX",

@@ -71,6 +71,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="least executed (not skipped) fraction per backend x op, 0..1 (default 0)")
     g.addoption("--mla-allow-xpass", action="store_true",
                 help="a known failure that passes does not fail the run (default: it does)")
+    g.addoption("--mla-shard", default=None,
+                help="K/N: run only the K-th of N shards of the selection (mlacheck.shard)")
 
 
 def split_backends(values: list[str] | None) -> list[str]:
@@ -201,6 +203,8 @@ class _State:
         self._progress: Progress | None = None
         self.selected: list[Item] = []  # what this run collected (after -k / -m / resume)
         self.matrix_name, self.matrix_cases = "", 0  # set by items()
+        self.matrix_case_ids: list[str] = []
+        self._matrix: Any = None
 
     @property
     def backend_names(self) -> list[str]:
@@ -239,7 +243,7 @@ class _State:
         from mlacheck.spec import OPS
 
         try:
-            _ = self.device
+            _ = self.device, self.shard
             self.items()
             for op in self.policy.require_ops:
                 if op not in OPS:
@@ -264,7 +268,7 @@ class _State:
 
     def items(self) -> list[Item]:
         if self._items is None:
-            from mlacheck import footprint
+            from mlacheck import cost
             from mlacheck.backends.registry import BackendError
             from mlacheck.matrices import MatrixError, load
 
@@ -274,13 +278,17 @@ class _State:
                 matrix = load(self.config.getoption("--mla-matrix"), self.config.getoption("--mla-seed"))
             except (BackendError, MatrixError, ValueError) as e:
                 raise pytest.UsageError(str(e)) from None
+            self._matrix = matrix
             self.matrix_name = matrix.name
             self.matrix_cases = len(matrix.cases)
+            self.matrix_case_ids = [mc.case.id for mc in matrix.cases]
             leave_out = _leave_out(self.config.getoption("--mla-leave-out"))
             # case by case (a case's inputs and references serve all its backends in one
-            # worker: mlacheck.harness), largest first (the long cases start first, and
-            # workers do not wait at the end for one that started last)
-            cases = sorted(matrix.cases, key=lambda mc: -footprint.estimate(mc.case).total)
+            # worker: mlacheck.harness), longest first by estimated time (the long cases
+            # start first, and workers do not wait at the end for one that started last)
+            names = [self.backend(b).name for b in self.backend_names]
+            cases = sorted(matrix.cases,
+                           key=lambda mc: (-cost.case_s(mc.case, names, self.device), mc.case.id))
             self._items = [Item(b, mc.case, tuple(mc.markers)) for mc in cases
                            for b in self.backend_names if (b, mc.case.id) not in leave_out]
         return self._items
@@ -304,8 +312,46 @@ class _State:
         expected = [(self.backend(it.backend).name, it.case.id) for it in self.selected]
         header = results_file.new_header(expected, self.backend_names,
                                          getattr(self, "matrix_name", ""), self.device,
-                                         self.workers)
+                                         self.workers, *self.shard_record())
         results_file.append_line(self.results, header.to_line())
+
+    @property
+    def shard(self) -> Any:
+        """The --mla-shard this process runs (mlacheck.shard.Shard), or None."""
+        from mlacheck import shard
+
+        text = self.config.getoption("--mla-shard")
+        return shard.parse(text) if text else None
+
+    def shard_record(self) -> tuple[str, str]:
+        """(K/N, run key) for the run header: what `mlacheck merge` checks shards against."""
+        from mlacheck import shard as shard_mod
+
+        sh = self.shard
+        if sh is None:
+            return "", ""
+        opt = self.config.option
+        names = [self.backend(b).name for b in self.backend_names]
+        key = shard_mod.run_key(self.matrix_name, self.config.getoption("--mla-seed"), names,
+                                getattr(opt, "keyword", ""), getattr(opt, "markexpr", ""),
+                                sh.count, self.matrix_case_ids)
+        return str(sh), key
+
+    def in_shard(self, selected: list[Item]) -> set[str]:
+        """Case ids of this process's shard, partitioned over the selection (after -k / -m)
+        together with the items --resume left out: every runner, resumed or not, computes
+        the same partition."""
+        from mlacheck import cost, shard
+
+        sh = self.shard
+        cases = {it.case.id: it.case for it in selected}
+        by_id = {mc.case.id: mc.case for mc in self._matrix.cases}
+        for _, case_id in _leave_out(self.config.getoption("--mla-leave-out")):
+            if case_id in by_id:
+                cases.setdefault(case_id, by_id[case_id])
+        names = [self.backend(b).name for b in self.backend_names]
+        costs = {cid: cost.case_s(c, names, self.device) for cid, c in cases.items()}
+        return shard.units_of(sh, costs)
 
     @property
     def workers(self) -> int:
@@ -519,6 +565,24 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _CONFIG["config"] = session.config
     if not is_worker(session.config) and _runs_the_suite(session.config):
         _quiet_xdist_status(session.config)
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselected theirs
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
+                                  items: list[pytest.Item]) -> None:
+    """--mla-shard K/N: the items of the other shards are deselected (in every xdist worker
+    alike: the partition is a pure function of the selection)."""
+    state: _State = config.stash[_STATE]
+    if not _runs_the_suite(config) or state.shard is None:
+        return
+    mine = state.in_shard([it for node in items if (it := _mla_param(node)) is not None])
+    keep, other = [], []
+    for node in items:
+        it = _mla_param(node)
+        (keep if it is None or it.case.id in mine else other).append(node)
+    if other:
+        config.hook.pytest_deselected(items=other)
+        items[:] = keep
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -43,11 +43,15 @@ class RunHeader:
     started: float = 0.0
     schema: int = SCHEMA
     workers: int = 0  # processes that ran items (xdist workers, or 1); 0: not recorded
+    shard: str = ""  # "K/N" when this invocation ran one shard (mlacheck.shard), else ""
+    run_key: str = ""  # which split run the shard belongs to (mlacheck.shard.run_key)
 
     def to_line(self) -> str:
         run = {"expected": [list(k) for k in self.expected], "backends": list(self.backends),
                "matrix": self.matrix, "device": self.device, "started": self.started,
                "workers": self.workers}
+        if self.shard:
+            run.update(shard=self.shard, run_key=self.run_key)
         return json.dumps({HEADER_KEY: self.schema, "run": run}, sort_keys=True) + "\n"
 
     @classmethod
@@ -57,13 +61,14 @@ class RunHeader:
         return cls(tuple((str(b), str(c)) for b, c in run.get("expected", [])),
                    tuple(run.get("backends", [])), str(run.get("matrix", "")),
                    str(run.get("device", "")), float(run.get("started", 0.0)),
-                   schema if isinstance(schema, int) else 1, int(run.get("workers") or 0))
+                   schema if isinstance(schema, int) else 1, int(run.get("workers") or 0),
+                   str(run.get("shard", "")), str(run.get("run_key", "")))
 
 
 def new_header(expected: list[ItemKey], backends: list[str], matrix: str, device: str,
-               workers: int = 0) -> RunHeader:
+               workers: int = 0, shard: str = "", run_key: str = "") -> RunHeader:
     return RunHeader(tuple(expected), tuple(backends), matrix, device, time.time(),
-                     workers=workers)
+                     workers=workers, shard=shard, run_key=run_key)
 
 
 def is_header(d: object) -> bool:

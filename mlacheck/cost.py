@@ -1,0 +1,92 @@
+"""How long a matrix item will take, estimated before it runs (no torch, no device).
+
+Two decisions read it: the order a run starts its cases in (longest first, so no long case
+starts last and holds the run's end: mlacheck.pytest_plugin) and how `--shard K/N` balances
+the shards (mlacheck.shard). Both need the ranking more than the seconds.
+
+An item's time is the sum of what its phases touch: the stored inputs and pools (built,
+checksummed, restored between backends), the attention arithmetic (golden exact and ideal,
+the same-precision baseline, once per case; the kernel, per backend) and the output the
+judge reads (a few fp64 passes over every element, per backend). The rates are per device
+type; what they are from is said at each. `mlacheck.footprint` estimates bytes, this module
+seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from mlacheck import footprint
+from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
+
+# Per item whatever its size: the pytest item, the verdict line, admission, the checksum of the
+# shared inputs. The H100 nightly's small cases took ~0.1 s per item (1041 items, 99.7 s on
+# 8 workers, most of it in a few large cases: docs/gpu-results.md).
+ITEM_S = 0.05
+# Seconds per byte of stored inputs and pools (drawn on the device: the three largest nightly
+# inputs, 2.5 GB each, took 0.17-0.23 s on the H100; on a CPU ~225 MB/s, docs/gpu-results.md).
+BYTE_S = {"cuda": 1 / 12e9, "cpu": 1 / 225e6}
+# Seconds per attention FLOP (q x kv x heads x (qk + v) x 2) of the references, computed once
+# per case: golden exact + ideal in fp32 (55% of the H100's 51.5 TFLOP/s fp32 matmul, bench-
+# marks/golden_perf.py) and the same-precision baseline (kernel-precision numerics, ~3x the
+# golden). CPU: ~20 GFLOP/s for a 2-thread worker's fp32 matmul.
+REF_FLOP_S = {"cuda": 5 / 28e12, "cpu": 5 / 20e9}
+# Seconds per attention FLOP of the backend under test: a model or the torch backend runs the
+# baseline's numerics; library kernels (KERNEL_SPEEDUP) are much faster than that.
+KERNEL_FLOP_S = {"cuda": 3 / 28e12, "cpu": 3 / 20e9}
+KERNEL_SPEEDUP = {"aiter": 10.0, "aiter-nonpersistent": 10.0, "aiter-triton": 10.0,
+                  "flashinfer": 10.0, "flashinfer-fa3": 10.0, "flashmla": 10.0}
+# Seconds per output element judged: about a dozen fp64 passes (row errors against the exact
+# and the unquantised golden, for the kernel and the baseline, norms, cosine, finiteness),
+# run where the output is in row slices (mlacheck.judge.SLICE_ELEMENTS). CPU: 2.5e-8 s per
+# element and pass with 2 threads (measured: row_errors on a [4096, 16, 128] output).
+JUDGE_ELEMENT_S = {"cuda": 12 * 16 / 2e12, "cpu": 12 * 2.5e-8}
+
+
+def attention_flops(case: Case) -> float:
+    """Multiply-adds x 2 of one attention pass over the case (causal prefill: the visible
+    triangle only)."""
+    d, h = case.dims, case.num_heads
+    if isinstance(case, PrefillCase):
+        width = d.qk_head + d.v_head
+        pairs = 0
+        for s in case.segments:
+            q, ctx = s.q_len, s.context_len
+            pairs += q * ctx + (q * (q + 1) // 2 if case.causal else q * q)
+        return 2.0 * pairs * h * width
+    width = d.latent + d.kv_lora_rank
+    if isinstance(case, SparseDecodeCase):
+        pairs = sum(r.q_len * min(case.topk, r.kv_len) for r in case.requests)
+    else:
+        assert isinstance(case, DecodeCase)
+        pairs = sum(r.q_len * r.kv_len for r in case.requests)
+    return 2.0 * pairs * h * width
+
+
+def output_elements(case: Case) -> int:
+    d = case.dims
+    width = d.v_head if isinstance(case, PrefillCase) else d.kv_lora_rank
+    return case.total_q * case.num_heads * width
+
+
+def _kind(device: str) -> str:
+    return "cpu" if device.startswith("cpu") else "cuda"
+
+
+def references_s(case: Case, device: str = "cuda") -> float:
+    """What a case costs once, whatever its backends: inputs and references."""
+    fp = footprint.estimate(case)
+    kind = _kind(device)
+    return (fp.inputs + fp.pools) * BYTE_S[kind] + attention_flops(case) * REF_FLOP_S[kind]
+
+
+def item_s(case: Case, backend: str, device: str = "cuda") -> float:
+    """One backend's own part of a case: its kernel and the judging of its output."""
+    kind = _kind(device)
+    kernel = attention_flops(case) * KERNEL_FLOP_S[kind] / KERNEL_SPEEDUP.get(backend, 1.0)
+    return ITEM_S + kernel + output_elements(case) * JUDGE_ELEMENT_S[kind]
+
+
+def case_s(case: Case, backends: Iterable[str], device: str = "cuda") -> float:
+    """A case with all its backends in one worker (they share its inputs and references)."""
+    return references_s(case, device) + sum(item_s(case, b, device) for b in backends)

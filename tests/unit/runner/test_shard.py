@@ -1,0 +1,131 @@
+"""`mlacheck run --shard K/N` (issue 27): a partition of the selection, the same on every runner,
+balanced by estimated time, stable under --resume; each shard's header says which run it is
+part of."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlacheck import cost, shard
+from mlacheck.matrices import load
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+
+SIX = """
+name: six
+description: six small cases of different sizes for the shard tests
+groups:
+  - name: decode
+    kind: decode
+    base: {requests: [[1, 70], [2, 130]], page_size: 16}
+    axes:
+      num_heads: [16, 32, 64]
+  - name: prefill
+    kind: prefill
+    base: {segments: [[20, 10], [24, 0]]}
+    axes:
+      num_heads: [8, 16, 32]
+"""
+
+
+def mlacheck(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(FIXTURES), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "mlacheck.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+def _lines(path: Path) -> tuple[list[dict], list[dict]]:
+    docs = [json.loads(x) for x in path.read_text().splitlines()]
+    return ([d["run"] for d in docs if "mlacheck_results" in d],
+            [d for d in docs if "mlacheck_results" not in d])
+
+
+# --------------------------------------------------------------------------- the partition
+
+
+@pytest.mark.parametrize("matrix", ["premerge", "nightly"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 16])
+def test_shards_are_a_balanced_partition_for_any_n(matrix: str, n: int) -> None:
+    backends = ["torch", "aiter-model", "aiter-triton"]
+    costs = {mc.case.id: cost.case_s(mc.case, backends) for mc in load(matrix).cases}
+    parts = shard.partition(costs, n)
+    every = [u for p in parts for u in p]
+    assert sorted(every) == sorted(costs) and len(every) == len(set(every))  # exactly once
+    assert parts == shard.partition(dict(reversed(costs.items())), n)  # not order-dependent
+    loads = [sum(costs[u] for u in p) for p in parts]
+    # LPT: no shard exceeds the least loaded one by more than the largest single case
+    assert max(loads) - min(loads) <= max(costs.values()) + 1e-9
+    for k in range(1, n + 1):
+        assert shard.units_of(shard.Shard(k, n), costs) == set(parts[k - 1])
+
+
+def test_shard_spec_is_checked() -> None:
+    assert str(shard.parse(" 2 / 4 ")) == "2/4"
+    for bad in ("0/4", "5/4", "2", "a/b", ""):
+        with pytest.raises(shard.ShardError):
+            shard.parse(bad)
+
+
+def test_the_run_key_names_what_makes_shards_one_run() -> None:
+    base = dict(matrix="six", seed=None, backends=["torch"], keyword="", markexpr="", count=3,
+                case_ids=["a", "b"])
+    key = shard.run_key(**base)
+    assert key == shard.run_key(**{**base, "case_ids": ["b", "a"]})
+    for change in ({"seed": 1}, {"backends": ["torch", "x"]}, {"markexpr": "not slow"},
+                   {"count": 4}, {"case_ids": ["a"]}, {"keyword": "dec"}):
+        assert shard.run_key(**{**base, **change}) != key, change
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_shards_run_the_matrix_once_between_them(tmp_path: Path) -> None:
+    matrix = tmp_path / "six.yaml"
+    matrix.write_text(SIX)
+    args = ["run", "-b", "torch", "--matrix", str(matrix), "--no-report", "--workers", "1"]
+    whole = tmp_path / "whole.jsonl"
+    r = mlacheck(*args, "--results", str(whole))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    _, all_recs = _lines(whole)
+    seen: list[str] = []
+    keys = set()
+    for k in (1, 2, 3):
+        res = tmp_path / f"shard{k}.jsonl"
+        r = mlacheck(*args, "--results", str(res), "--shard", f"{k}/3")
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert f"shard {k}/3 of its cases" in r.stdout
+        (header,), recs = _lines(res)
+        assert header["shard"] == f"{k}/3" and header["matrix"] == "six"
+        keys.add(header["run_key"])
+        assert sorted(c for _, c in header["expected"]) == sorted(x["case_id"] for x in recs)
+        seen += [x["case_id"] for x in recs]
+    assert len(keys) == 1  # one run
+    assert sorted(seen) == sorted(x["case_id"] for x in all_recs)  # each item exactly once
+
+
+def test_a_resumed_shard_keeps_its_cases(tmp_path: Path) -> None:
+    """--resume leaves out what has a verdict after the partition, not before it: a resumed
+    shard must not take another shard's cases."""
+    matrix = tmp_path / "six.yaml"
+    matrix.write_text(SIX)
+    res = tmp_path / "s.jsonl"
+    args = ["run", "-b", "torch", "--matrix", str(matrix), "--no-report", "--workers", "1",
+            "--results", str(res), "--shard", "2/2"]
+    r = mlacheck(*args)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (header,), recs = _lines(res)
+    mine = sorted(x["case_id"] for x in recs)
+    lines = res.read_text().splitlines()
+    res.write_text("\n".join(lines[:2]) + "\n")  # the header and one verdict: interrupted
+    r = mlacheck(*args, "--resume")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    headers, recs = _lines(res)
+    assert sorted(x["case_id"] for x in recs) == mine
+    assert headers[1]["run_key"] == header["run_key"] and len(headers[1]["expected"]) == len(mine) - 1
