@@ -183,7 +183,7 @@ choose_backends() {
 # summary.txt/.md. Sets MATRIX_RC to the gate's exit code (README "Exit codes": 0 pass,
 # 1 FAIL/CRASH/XPASS, 3 suite error, 5 nothing selected, 6 not enough ran) or 2 when mlacheck
 # could not run at all (bad environment or usage, no verdicts).
-# Knobs read: MATRIX, WORKERS, MARKERS, TIMEOUT, REQUIRE_OPS, MIN_EXECUTED, ALLOW_XPASS;
+# Knobs read: MATRIX, WORKERS, MARKERS, SHARD, TIMEOUT, REQUIRE_OPS, MIN_EXECUTED, ALLOW_XPASS;
 # uses MODE, RUN_BACKENDS, NOTES, UNUSABLE.
 run_matrix() {
     local out=$1 title=$2
@@ -208,6 +208,7 @@ run_matrix() {
     for b in "${RUN_BACKENDS[@]}"; do backend_args+=(--backend "$b"); done
     args+=("${backend_args[@]}")
     if [[ -n ${MARKERS:-} ]]; then args+=(-m "$MARKERS"); fi
+    if [[ -n ${SHARD:-} ]]; then args+=(--shard "$SHARD"); fi
     say "running: mlacheck ${args[*]}"
     local rc=0
     "${MLA[@]}" "${args[@]}" 2>&1 | tee "$out/run.log" || rc=${PIPESTATUS[0]}

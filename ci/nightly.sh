@@ -52,6 +52,7 @@ MIN_EXECUTED=${MIN_EXECUTED:-}          # least executed fraction per backend x 
 ALLOW_XPASS=${ALLOW_XPASS:-0}           # 1: a known failure that passes does not fail the job
 VISIBLE_DEVICES=${VISIBLE_DEVICES:-}    # e.g. 0,1,2,3: exported as HIP_/CUDA_VISIBLE_DEVICES
 MARKERS=${MARKERS:-}                    # pytest -m expression (default: all, large_kv included)
+SHARD=${SHARD:-}                        # K/N: only the K-th of N shards (join them with mlacheck merge)
 TIMEOUT=${TIMEOUT:-1800}                # seconds per case
 PYTHON=${PYTHON:-python3}
 MLACHECK=${MLACHECK:-}                  # mlacheck command; default "$PYTHON -m mlacheck.cli"

@@ -67,3 +67,54 @@ def run_key(matrix: str, seed: int | None, backends: Sequence[str], keyword: str
                       "k": keyword or "", "m": markexpr or "", "n": count,
                       "cases": sorted(case_ids)}, sort_keys=True)
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """What a results file says about the shard it holds (from its run headers)."""
+
+    path: str
+    shards: tuple[str, ...]  # "K/N" of each header that names one ("" for one that does not)
+    run_keys: tuple[str, ...]
+
+
+@dataclass
+class Joined:
+    """Which files are shards of one run, and what keeps them from being the whole run."""
+
+    members: list[str]  # the files whose verdicts count
+    problems: list[str]  # each one makes the merged run INCOMPLETE (exit 6)
+
+
+def join(files: Sequence[ShardFile]) -> Joined:
+    """The shards of one run among `files`: the run key most files name is the run (ties: the
+    first file's); a file of another run, or of no split run, is foreign and left out; every
+    K of 1..N must be there."""
+    problems: list[str] = []
+    keyed = [f for f in files if f.run_keys and all(f.run_keys) and len(set(f.run_keys)) == 1]
+    votes: dict[str, int] = {}
+    for f in keyed:
+        votes[f.run_keys[0]] = votes.get(f.run_keys[0], 0) + 1
+    run = max(votes, key=votes.__getitem__, default="")  # the first of equals: first seen
+    members = [f for f in keyed if f.run_keys[0] == run]
+    for f in files:
+        if f in members:
+            continue
+        if not f.shards or not any(f.shards):
+            problems.append(f"{f.path} is not a shard (no --shard run header): left out")
+        else:
+            problems.append(f"{f.path} is a shard of another run (run key "
+                            f"{', '.join(sorted(set(f.run_keys)))}, not {run}): left out")
+    counts = {parse(s).count for f in members for s in f.shards}
+    if not members:
+        problems.append("no shard of a split run among the files")
+    elif len(counts) == 1:
+        n = counts.pop()
+        have = {parse(s).index for f in members for s in f.shards}
+        missing = [k for k in range(1, n + 1) if k not in have]
+        if missing:
+            problems.append(f"INCOMPLETE: shard(s) {', '.join(f'{k}/{n}' for k in missing)} "
+                            f"missing ({len(have)} of {n} merged)")
+    else:  # cannot happen with one run key (N is part of it); said rather than assumed
+        problems.append(f"shards of one run disagree on N: {sorted(counts)}")
+    return Joined([f.path for f in members], problems)

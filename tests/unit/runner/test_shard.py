@@ -129,3 +129,23 @@ def test_a_resumed_shard_keeps_its_cases(tmp_path: Path) -> None:
     headers, recs = _lines(res)
     assert sorted(x["case_id"] for x in recs) == mine
     assert headers[1]["run_key"] == header["run_key"] and len(headers[1]["expected"]) == len(mine) - 1
+
+
+def test_join_finds_the_missing_and_the_foreign_shards() -> None:
+    def f(path: str, k: int, n: int = 3, key: str = "run") -> shard.ShardFile:
+        return shard.ShardFile(path, (f"{k}/{n}",), (key,))
+
+    whole = shard.join([f("a", 1), f("b", 2), f("c", 3)])
+    assert whole.members == ["a", "b", "c"] and whole.problems == []
+    resumed = shard.join([shard.ShardFile("a", ("1/2", "1/2"), ("run", "run")), f("b", 2, 2)])
+    assert resumed.problems == []
+    missing = shard.join([f("a", 1), f("c", 3)])
+    assert missing.problems == ["INCOMPLETE: shard(s) 2/3 missing (2 of 3 merged)"]
+    foreign = shard.join([f("a", 1), f("x", 2, key="other"), f("c", 3)])
+    assert foreign.members == ["a", "c"]
+    assert foreign.problems[0].startswith("x is a shard of another run (run key other, not run)")
+    assert "shard(s) 2/3 missing" in foreign.problems[1]
+    plain = shard.join([f("a", 1, 1), shard.ShardFile("p", ("",), ("",))])
+    assert plain.members == ["a"] and plain.problems == [
+        "p is not a shard (no --shard run header): left out"]
+    assert shard.join([]).problems == ["no shard of a split run among the files"]
