@@ -39,14 +39,27 @@ class NoRoomNow(RuntimeError):
     """Other workers' cases held the device's memory for longer than WAIT_S."""
 
 
-def ledger_path(device: str) -> Path:
+def gpu_key(device: str) -> str:
+    """The GPU behind `device` as every process names it (its UUID), whatever
+    HIP/CUDA_VISIBLE_DEVICES numbered it in that process."""
     import torch
 
     index = torch.device(device).index
     if index is None:
         index = torch.cuda.current_device()
-    uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", index))
-    return Path(tempfile.gettempdir()) / f"mlacheck-{os.getuid()}-gpu-{uuid}.json"
+    return str(getattr(torch.cuda.get_device_properties(index), "uuid", index))
+
+
+def budget_bytes(device: str) -> int:
+    """What the cases on one GPU may reserve together: FIT_FRACTION of its memory."""
+    import torch
+
+    _, total = torch.cuda.mem_get_info(torch.device(device))
+    return int(footprint.FIT_FRACTION * total)
+
+
+def ledger_path(device: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"mlacheck-{os.getuid()}-gpu-{gpu_key(device)}.json"
 
 
 @contextlib.contextmanager
@@ -58,8 +71,7 @@ def reserved(case: Case, device: str, wait_s: float = WAIT_S) -> Iterator[None]:
     import torch
 
     need = footprint.estimate(case).total
-    _, total = torch.cuda.mem_get_info(torch.device(device))
-    budget = int(footprint.FIT_FRACTION * total)
+    budget = budget_bytes(device)
     path = ledger_path(device)
     deadline = time.monotonic() + wait_s
     while not _try_reserve(path, need, budget):
@@ -119,3 +131,28 @@ def _locked(path: Path) -> Iterator[dict[str, int]]:
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
+
+
+# --------------------------------------------------------------------------- the scheduler's view
+
+def publish_worker_gpu(folder: Path, worker: str, device: str) -> None:
+    """An xdist worker says which GPU it runs on and its budget (a file in `folder`), so the
+    controller's scheduler can hand each GPU only what fits it (mlacheck.scheduling)."""
+    if not device.startswith("cuda"):
+        return
+    doc = {"gpu": gpu_key(device), "budget": budget_bytes(device)}
+    tmp = folder / f".{worker}.json"
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(folder / f"{worker}.json")
+
+
+def worker_gpus(folder: Path) -> dict[str, tuple[str, int]]:
+    """{worker id: (GPU key, budget bytes)} of the workers that published theirs."""
+    out = {}
+    for f in folder.glob("gw*.json"):
+        try:
+            doc = json.loads(f.read_text())
+            out[f.stem] = (str(doc["gpu"]), int(doc["budget"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out

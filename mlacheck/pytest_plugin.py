@@ -106,12 +106,29 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_STATE] = state
     if config.pluginmanager.hasplugin("xdist") and not config.pluginmanager.has_plugin("mla-xdist"):
         config.pluginmanager.register(_XdistHooks(), "mla-xdist")
+    if worker and info.get(_GPU_DIR):
+        _publish_gpu(state, Path(info[_GPU_DIR]), str(info.get("workerid", "")))
     if not worker and _runs_the_suite(config):
         state.preflight()
         if getattr(config.option, "dist", "no") == "load":
             # each case's items to one worker, in order (xdist_group marks): its inputs and
-            # references are built once there for all its backends
+            # references are built once there for all its backends; the queue keeps the
+            # collection's order (longest first), not xdist's by-size reordering
             config.option.dist = "loadgroup"
+            config.option.loadscopereorder = False
+            if state.device.startswith("cuda"):
+                state.gpu_dir = Path(tempfile.mkdtemp(prefix="mlacheck-gpus-"))
+
+
+def _publish_gpu(state: _State, folder: Path, worker: str) -> None:
+    """Say which GPU this worker runs on (the scheduler hands each GPU what fits it); a
+    worker that cannot say is scheduled as before, never stopped."""
+    from mlacheck import admission
+
+    try:
+        admission.publish_worker_gpu(folder, worker, state.device)
+    except Exception as e:  # noqa: BLE001
+        print(f"mlacheck: worker {worker} could not publish its GPU: {e}", file=sys.stderr)
 
 
 def _quiet_xdist_status(config: pytest.Config) -> None:
@@ -182,6 +199,7 @@ def gpu_count() -> int:
 
 _STATE = pytest.StashKey["_State"]()
 _LOADGROUP = "mla_loadgroup"  # workerinput key: the controller schedules by case
+_GPU_DIR = "mla_gpu_dir"  # workerinput key: where workers publish their GPU (admission)
 
 
 class _State:
@@ -204,6 +222,7 @@ class _State:
         self.selected: list[Item] = []  # what this run collected (after -k / -m / resume)
         self.matrix_name, self.matrix_cases = "", 0  # set by items()
         self.matrix_case_ids: list[str] = []
+        self.gpu_dir: Path | None = None  # controller: where workers publish their GPU
         self._matrix: Any = None
 
     @property
@@ -607,24 +626,94 @@ class _XdistHooks:
     def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         if config.getvalue("dist") != "loadgroup" or not _runs_the_suite(config):
             return None
-        return _case_scheduler(config, log)
+        from mlacheck import footprint
+
+        state: _State = config.stash[_STATE]
+        need = {it.case.id: footprint.estimate(it.case).total for it in state.items()}
+        return case_scheduler(config, log, need, state.gpu_dir)
 
     @staticmethod
     def pytest_configure_node(node: Any) -> None:
         """Workers re-read the command line (`--dist load`): say that groups are on, so they
-        name items `<id>@<case>` as the loadgroup scheduler expects."""
+        name items `<id>@<case>` as the loadgroup scheduler expects; and where to say which
+        GPU they run on (mlacheck.admission.publish_worker_gpu)."""
         if getattr(node.config.option, "dist", "") == "loadgroup":
             node.workerinput[_LOADGROUP] = True
+        state = node.config.stash.get(_STATE, None)
+        if state is not None and state.gpu_dir is not None:
+            node.workerinput[_GPU_DIR] = str(state.gpu_dir)
 
 
-def _case_scheduler(config: pytest.Config, log: Any) -> Any:
-    """xdist's loadgroup scheduling (a case's items to one worker, in order), except that the
-    item a worker died under is not run again: loadscope puts the whole unfinished group
-    back, the crashed item included, so a kernel that aborts the process would take down
-    one worker after another (the item is recorded as CRASH)."""
+def pick_unit(queue: list[str], need: Callable[[str], int], held: int, budget: int | None) -> str:
+    """The next case for a worker of a GPU on which cases holding `held` bytes run: the first
+    (longest) in the queue that fits beside them in `budget`; if none does, the one that needs
+    least (it waits for room the shortest). Without a budget (CPU, or unknown): the first."""
+    if budget is None:
+        return queue[0]
+    for scope in queue:
+        if held + need(scope) <= budget:
+            return scope
+    return min(queue, key=need)
+
+
+def case_scheduler(config: pytest.Config, log: Any, need: dict[str, int],
+                   gpu_dir: Path | None) -> Any:
+    """xdist's loadgroup scheduling (a case's items to one worker, in order), with three
+    changes. `need`: each case's device memory (footprint.estimate) by case id; `gpu_dir`:
+    where the workers publish their GPU (None: no GPUs).
+
+    - The queue keeps the collection's order (longest case first, mlacheck.cost), and a
+      worker gets its next case only when it starts the last item of the one it has (xdist
+      hands it over when at most 2 items are left): a long case is not committed to a worker
+      still busy with another.
+    - GPU memory: each worker publishes its GPU and budget (mlacheck.admission); a worker gets
+      the longest case that fits its GPU beside the cases already handed to that GPU's
+      workers (pick_unit), so no worker is given a case to wait for while another GPU has
+      room for it, and the large cases spread over the GPUs.
+    - The item a worker died under is not run again: loadscope puts the whole unfinished
+      group back, the crashed item included, so a kernel that aborts the process would take
+      down one worker after another (the item is recorded as CRASH).
+    """
     from xdist.scheduler import LoadGroupScheduling
 
+    from mlacheck import admission
+
     class CaseScheduling(LoadGroupScheduling):  # type: ignore[misc]
+        def __init__(self, config: pytest.Config, log: Any) -> None:
+            super().__init__(config, log)
+            self._gpus: dict[str, tuple[str, int]] | None = None
+
+        @staticmethod
+        def need(scope: str) -> int:
+            return need.get(scope, 0)
+
+        def gpus(self) -> dict[str, tuple[str, int]]:
+            """{worker id: (GPU, budget)}, read again while a worker (a new one replacing a
+            crashed one) has not been seen."""
+            if gpu_dir is None:
+                return {}
+            if self._gpus is None or any(n.gateway.id not in self._gpus for n in self.nodes):
+                self._gpus = admission.worker_gpus(gpu_dir)
+            return self._gpus
+
+        def _assign_work_unit(self, node: Any) -> None:
+            gpus = self.gpus()
+            mine = gpus.get(node.gateway.id)
+            if mine is not None and len(self.workqueue) > 1:
+                gpu, budget = mine
+                held = sum(self.need(scope) for other, work in self.assigned_work.items()
+                           if gpus.get(other.gateway.id, ("",))[0] == gpu
+                           for scope, unit in work.items() if not all(unit.values()))
+                scope = pick_unit(list(self.workqueue), self.need, held, budget)
+                self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+        def _reschedule(self, node: Any) -> None:
+            if (not node.shutting_down and self.workqueue
+                    and self._pending_of(self.assigned_work[node]) > 1):
+                return  # more than its last item still to run: no next case yet
+            super()._reschedule(node)
+
         def remove_node(self, node: Any) -> str | None:
             workload = self.assigned_work.pop(node)
             pending = [nid for unit in workload.values() for nid, done in unit.items() if not done]
@@ -725,6 +814,10 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(_STATE, None)
+    if state is not None and state.gpu_dir is not None:
+        import shutil
+
+        shutil.rmtree(state.gpu_dir, ignore_errors=True)
     if state is not None and state.temporary_results and not is_worker(config):
         state.results.unlink(missing_ok=True)
         os.environ.pop(_PRIVATE_RESULTS_ENV, None)
