@@ -14,6 +14,7 @@ matrix's largest cases (median of the repeats) in MB of stored inputs per second
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -45,7 +46,41 @@ def phases(path: str | Path) -> dict[str, Any]:
             total[k] = total.get(k, 0.0) + float(v)
         total["wall"] = total.get("wall", 0.0) + float(rec.get("wall") or 0.0)
     return {"items": len(records), "statuses": statuses,
-            "summed_s": {k: round(v, 1) for k, v in sorted(total.items())}}
+            "summed_s": {k: round(v, 1) for k, v in sorted(total.items())},
+            "longest_cases": longest_cases(records)}
+
+
+LONGEST = 8  # how many of the longest cases `phases` lists
+
+
+def longest_cases(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cases whose items took longest together (a case's items run one after another in
+    one worker, so this is what no run can end before), with their phases summed and the
+    estimate mlacheck.cost gave them."""
+    from mlacheck import cost
+    from mlacheck.spec import case_from_json
+
+    by_case: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        row = by_case.setdefault(rec["case_id"], {"case": rec["case_id"], "wall_s": 0.0,
+                                                  "items": 0, "phases_s": {},
+                                                  "json": rec.get("case")})
+        row["wall_s"] += float(rec.get("wall") or 0.0)
+        row["items"] += 1
+        for k, v in (rec.get("timings") or {}).items():
+            row["phases_s"][k] = row["phases_s"].get(k, 0.0) + float(v)
+    rows = sorted(by_case.values(), key=lambda r: -r["wall_s"])[:LONGEST]
+    backends = sorted({str(rec.get("backend")) for rec in records})
+    device = str(records[0].get("device") or "cuda") if records else "cuda"
+    for row in rows:
+        case_json = row.pop("json")
+        row["wall_s"] = round(row["wall_s"], 2)
+        row["phases_s"] = {k: round(v, 2) for k, v in sorted(row["phases_s"].items())}
+        if case_json:
+            with contextlib.suppress(ValueError, TypeError, KeyError):  # an older case layout
+                row["estimate_s"] = round(cost.case_s(case_from_json(json.dumps(case_json)),
+                                                      backends, device), 2)
+    return rows
 
 
 def run_once(args: argparse.Namespace, out: Path) -> dict[str, Any]:
