@@ -33,6 +33,17 @@ class Range:
 
 ANY = None  # a capability field left as ANY accepts every value
 
+# A SKIP that is the adapter's choice, not the kernel's limit (an entry point not wired, a
+# format not yet measured) says so with this marker in its reason: the coverage tables
+# (mlacheck.report.coverage) count it as SKIP-by-adapter. Every other SKIP of a real backend
+# is a kernel limit, its reason read from the kernel's source or measured.
+ADAPTER_CHOICE = "adapter:"
+
+
+def adapter_choice(why: str) -> str:
+    """A SKIP reason that is the adapter's choice (see ADAPTER_CHOICE)."""
+    return f"{ADAPTER_CHOICE} {why}"
+
 # A per-case rule no single field can say: None when the case is fine, else the reason.
 CaseRule = Callable[[Case], "str | None"]
 

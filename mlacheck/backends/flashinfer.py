@@ -9,6 +9,21 @@
   come through qo_indptr with causal=True.
 - mla_prefill: `flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper` (MHA view, q/k 192,
   v 128, ragged cu_seqlens), causal or not, soft cap as `logits_soft_cap`.
+- paged_prefill: `flashinfer.prefill.BatchPrefillWithPagedKVCacheWrapper` with
+  `head_dim_qk` 192 / `head_dim_vo` 128: mlacheck's K and V page pools as they are (NHD, the
+  same page table), no copy.
+- mla_sparse_decode (DeepSeek-V3.2 top-k): FlashInfer has no top-k MLA entry point for sm_90,
+  but top-k attention is paged attention with page size 1 whose page list is the selected
+  slots. The latent pool is viewed as a flat token pool ([pages * page_size, 1, 576], the same
+  bytes: a view, no copy), each query token is one request (causal off) and its kv_indices are
+  its valid top-k global slots (-1 padding dropped). The verdict's `implementation` says so.
+
+Versions: written for flashinfer-python 0.2.14.post1 and 0.7.x (the same wrapper keywords).
+What differs is read from the installed library: 0.7.x's MLA `plan` takes
+`scale_mode="kv-per-tensor"` (bf16 q over an fp8_e4m3fn cache, sm_90, per-tensor
+`ckv_scale` / `kpe_scale` in `run`); 0.2.x's fa2 paged prefill refuses K/V caches of
+different strides ("k/v strides must be identical", csrc/batch_prefill.cu), which K 192 and
+V 128 pools always are.
 
 FlashInfer returns the LSE in base 2 (log2 of the sum of exp): converted to the natural log
 here (x ln 2). The softmax scale is always passed. Every installed function is checked
@@ -19,10 +34,13 @@ version goes into every Output's metadata. Capabilities are what was measured on
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import torch
 
 from mlacheck import layouts
-from mlacheck.backends.base import Capability, Output
+from mlacheck.backends.base import Capability, Output, adapter_choice
 from mlacheck.backends.toolkit import (
     LibraryAdapter,
     Loaded,
@@ -30,9 +48,10 @@ from mlacheck.backends.toolkit import (
     load_library,
     lse_natural,
     lse_tokens_heads,
+    topk_to_global_slots,
 )
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
-from mlacheck.spec import Case, DecodeCase, PrefillCase
+from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
 
 MODULE = "flashinfer"
 DISTRIBUTIONS = ("flashinfer-python", "flashinfer")
@@ -56,11 +75,43 @@ CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
         "qo_indptr", "kv_indptr", "num_qo_heads", "num_kv_heads", "head_dim_qk", "head_dim_vo",
         "causal", "logits_soft_cap", "sm_scale", "q_data_type", "kv_data_type"),
     "prefill.BatchPrefillWithRaggedKVCacheWrapper.run": ("q", "k", "v", "out", "return_lse"),
+    "prefill.BatchPrefillWithPagedKVCacheWrapper": (
+        "float_workspace_buffer", "kv_layout", "backend"),
+    "prefill.BatchPrefillWithPagedKVCacheWrapper.plan": (
+        "qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len",
+        "num_qo_heads", "num_kv_heads", "head_dim_qk", "page_size", "head_dim_vo", "causal",
+        "logits_soft_cap", "sm_scale", "q_data_type", "kv_data_type"),
+    "prefill.BatchPrefillWithPagedKVCacheWrapper.run": (
+        "q", "paged_kv_cache", "out", "return_lse"),
 }
 OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "mla_decode": tuple(k for k in CALLED_PARAMETERS if k.startswith("mla.")),
-    "mla_prefill": tuple(k for k in CALLED_PARAMETERS if k.startswith("prefill.")),
+    "mla_sparse_decode": tuple(k for k in CALLED_PARAMETERS if k.startswith("mla.")),
+    "mla_prefill": tuple(k for k in CALLED_PARAMETERS if k.startswith("prefill.BatchPrefillWithRagged")),
+    "paged_prefill": tuple(k for k in CALLED_PARAMETERS if k.startswith("prefill.BatchPrefillWithPaged")),
 }
+# FP8 KV in the MLA decode (0.7.x): extra keywords of plan / run, used only when present.
+FP8_PLAN_PARAMETER = "scale_mode"
+FP8_RUN_PARAMETERS = ("ckv_scale", "kpe_scale")
+FP8_KV_FORMAT = "fp8_e4m3fn"
+FP8_REASONS = {  # versions whose MLA wrapper takes an FP8 KV cache (0.7.x)
+    "format_pairs": "FlashInfer 0.7's MLA fa2/fa3: fp8_e4m3fn KV only under bf16 q, on sm_90 "
+                    "(mla/_batch_mla/_backends/_fa_common.py)",
+    "q_formats": "FlashInfer's MLA takes fp16 / bf16 q (_fa_common.py)",
+}
+NO_FP8_REASONS = {  # versions without (0.2.14.post1, measured on the H100)
+    "q_formats": "no FP8 in this FlashInfer's MLA decode: the fa2 JIT fails to compile an "
+                 "fp8 variant (measured with 0.2.14.post1)",
+    "kv_formats": "no FP8 KV in this FlashInfer's MLA decode (the fa2 JIT fails to compile an "
+                  "fp8 variant, measured with 0.2.14.post1; 0.7.x has one)",
+}
+PREFILL_FP8_REASON = {  # 0.2.x, measured on the H100
+    "q_formats": "'fp8 tensor core is not supported in fa2 backend' (0.2.14.post1, measured)",
+    "kv_formats": "'fp8 tensor core is not supported in fa2 backend' (0.2.14.post1, measured)",
+}
+# The last release line whose fa2 paged prefill requires identical K and V strides (read in
+# 0.2.14.post1's csrc/batch_prefill.cu; 0.7.2's batch_prefill_paged.cuh takes unequal ones).
+FA2_EQUAL_KV_STRIDES_UNTIL = (0, 2)
 
 # Measured on an H100 with flashinfer-python 0.2.14.post1 (benchmarks/capability_probe.py,
 # docs/flashinfer.md): every page size 1..1024, 8..128 heads, MTP (uniform or mixed q_len),
@@ -69,6 +120,23 @@ OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
 # core is not supported in fa2 backend").
 DECODE_FORMATS = ("bf16", "fp16")
 PREFILL_FORMATS = ("bf16", "fp16")
+
+
+def release(version: str) -> tuple[int, int]:
+    """(major, minor) of a 'flashinfer-python 0.7.2.post1' style version; (0, 0) if unreadable."""
+    m = re.search(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def takes_fp8_kv(got: Loaded) -> bool:
+    """The installed MLA wrapper takes an FP8 KV cache with per-tensor scales (0.7.x)."""
+    try:
+        plan = inspect.signature(got.function("mla.BatchMLAPagedAttentionWrapper.plan"))
+        run = inspect.signature(got.function("mla.BatchMLAPagedAttentionWrapper.run"))
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return (FP8_PLAN_PARAMETER in plan.parameters
+            and all(p in run.parameters for p in FP8_RUN_PARAMETERS))
 
 
 def load() -> Loaded | str:
@@ -97,22 +165,57 @@ class FlashInferBackend(LibraryAdapter):
         got = self.loaded()
         if isinstance(got, str):
             return {op: Capability(refusal=got) for op in OP_FUNCTIONS}
-        same = lambda fmts: frozenset((f, f) for f in fmts)  # noqa: E731
+        same = {(f, f) for f in DECODE_FORMATS}
+        decode_q, decode_kv, scales = DECODE_FORMATS, DECODE_FORMATS, None
+        fp8_note, reasons, prefill_reasons = "", NO_FP8_REASONS, PREFILL_FP8_REASON
+        if takes_fp8_kv(got):
+            same.add(("bf16", FP8_KV_FORMAT))
+            decode_kv, scales = (*DECODE_FORMATS, FP8_KV_FORMAT), ("unit", "amax")
+            fp8_note = "; fp8_e4m3fn KV under bf16 q: scale_mode=kv-per-tensor, ckv/kpe_scale"
+            reasons = FP8_REASONS
+            prefill_reasons = dict.fromkeys(("q_formats", "kv_formats"), adapter_choice(
+                f"FP8 prefill of {got.version} (q/k/v_scale) not wired yet"))
+        problem = {op: got.first_problem(fns) for op, fns in OP_FUNCTIONS.items()}
+        decode = dict(
+            q_formats=decode_q, kv_formats=decode_kv, format_pairs=frozenset(same),
+            scale_policies=scales, lse=True, empty_requests=True, devices=("cuda",),
+            layouts=(layouts.LINEAR.name,),  # ckv / kpe are strided views of linear pages
+            reasons=reasons)
+        prefill_pairs = frozenset((f, f) for f in PREFILL_FORMATS)
         return {
             "mla_decode": Capability(
-                q_formats=DECODE_FORMATS, kv_formats=DECODE_FORMATS,
-                format_pairs=same(DECODE_FORMATS), causal=(True,), lse=True,
-                layouts=(layouts.LINEAR.name,),  # ckv / kpe are strided views of linear pages
-                empty_requests=True, devices=("cuda",), refusal=got.first_problem(OP_FUNCTIONS["mla_decode"]),
+                **decode, causal=(True,), refusal=problem["mla_decode"],
                 notes=f"BatchMLAPagedAttentionWrapper backend={self.kernel}; latent cache as "
-                      "strided ckv/kpe views of mlacheck's pool; LSE base 2 -> natural"),
+                      "strided ckv/kpe views of mlacheck's pool; LSE base 2 -> natural" + fp8_note),
+            "mla_sparse_decode": Capability(
+                **decode, refusal=problem["mla_sparse_decode"],
+                notes=f"BatchMLAPagedAttentionWrapper backend={self.kernel} at page size 1: the "
+                      "pool viewed as flat tokens, one request per query token, its valid top-k "
+                      "global slots as kv_indices, causal off; LSE base 2 -> natural" + fp8_note),
             "mla_prefill": Capability(
-                q_formats=PREFILL_FORMATS, kv_formats=PREFILL_FORMATS,
-                format_pairs=same(PREFILL_FORMATS), soft_cap=True, lse=True,
-                empty_requests=True, devices=("cuda",), refusal=got.first_problem(OP_FUNCTIONS["mla_prefill"]),
+                q_formats=PREFILL_FORMATS, kv_formats=PREFILL_FORMATS, format_pairs=prefill_pairs,
+                soft_cap=True, lse=True, empty_requests=True, devices=("cuda",),
+                reasons=prefill_reasons, refusal=problem["mla_prefill"],
                 notes=f"BatchPrefillWithRaggedKVCacheWrapper backend={self.kernel}, q/k 192, "
                       "v 128; LSE base 2 -> natural"),
+            "paged_prefill": Capability(
+                q_formats=PREFILL_FORMATS, kv_formats=PREFILL_FORMATS, format_pairs=prefill_pairs,
+                soft_cap=True, lse=True, empty_requests=True, devices=("cuda",),
+                layouts=(layouts.LINEAR.name,),
+                reasons={**prefill_reasons,
+                         "layouts": "FlashInfer's paged KV cache is NHD / HND pages"},
+                refusal=problem["paged_prefill"] or self._paged_prefill_refusal(got),
+                notes=f"BatchPrefillWithPagedKVCacheWrapper backend={self.kernel}, NHD, "
+                      "head_dim_qk 192 / head_dim_vo 128 over mlacheck's K and V pools as they "
+                      "are; LSE base 2 -> natural"),
         }
+
+    def _paged_prefill_refusal(self, got: Loaded) -> str | None:
+        if self.kernel == "fa2" and release(got.version) <= FA2_EQUAL_KV_STRIDES_UNTIL:
+            return (f"{got.version}: the fa2 paged prefill requires identical K and V cache "
+                    "strides ('k/v strides must be identical', csrc/batch_prefill.cu); K (192) "
+                    "and V (128) pages never have them")
+        return None
 
     def run(self, case: Case, inputs: Inputs) -> Output:
         got = self.loaded()
@@ -120,11 +223,15 @@ class FlashInferBackend(LibraryAdapter):
             raise RuntimeError(got)
         if isinstance(case, PrefillCase):
             assert isinstance(inputs, PrefillInputs)
-            out = self._prefill(got, case, inputs)
+            out = (self._paged_prefill(got, case, inputs) if case.paging is not None
+                   else self._prefill(got, case, inputs))
+        elif isinstance(case, SparseDecodeCase):
+            assert isinstance(inputs, DecodeInputs)
+            out = self._sparse(got, case, inputs)
         else:
             assert isinstance(inputs, DecodeInputs) and isinstance(case, DecodeCase)
             out = self._decode(got, case, inputs)
-        out.metadata["flashinfer"] = {"version": got.version, "kernel": self.kernel}
+        out.metadata.setdefault("flashinfer", {}).update(version=got.version, kernel=self.kernel)
         return out
 
     # -- internals
@@ -133,26 +240,59 @@ class FlashInferBackend(LibraryAdapter):
             self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         return self._workspace
 
-    def _decode(self, got: Loaded, case: DecodeCase, inputs: DecodeInputs) -> Output:
+    def _mla(self, got: Loaded, case: DecodeCase | SparseDecodeCase, inputs: DecodeInputs, *,
+             qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+             kv_lens: torch.Tensor, cache: torch.Tensor, page_size: int, causal: bool) -> Output:
+        """One plan + run of the MLA wrapper; cache [pages, page_size, 576] (views of the pool)."""
         dev = inputs.device
         rank = case.dims.kv_lora_rank
         wrapper = got.function("mla.BatchMLAPagedAttentionWrapper")(
             float_workspace_buffer=self._workspace_on(dev), use_cuda_graph=False,
             backend=self.kernel)
-        kv_indptr, kv_indices, kv_lens = inputs.table.to_flashinfer()
         q = inputs.q.stored
-        cache = inputs.pool.data[:, :, 0, :]  # [pages, page_size, 576]: views, no copy
+        fp8_kv = case.quant.kv == FP8_KV_FORMAT
+        plan_extra: dict[str, str] = {FP8_PLAN_PARAMETER: "kv-per-tensor"} if fp8_kv else {}
         wrapper.plan(
-            qo_indptr=inputs.qo_indptr.to(dev, torch.int32), kv_indptr=kv_indptr.to(dev),
-            kv_indices=kv_indices.to(dev), kv_len_arr=kv_lens.to(dev),
+            qo_indptr=qo_indptr.to(dev, torch.int32), kv_indptr=kv_indptr.to(dev, torch.int32),
+            kv_indices=kv_indices.to(dev, torch.int32), kv_len_arr=kv_lens.to(dev, torch.int32),
             num_heads=case.num_heads, head_dim_ckv=rank, head_dim_kpe=case.dims.qk_rope,
-            page_size=case.page_size, causal=True, sm_scale=case.softmax_scale,
-            q_data_type=q.dtype, kv_data_type=cache.dtype)
+            page_size=page_size, causal=causal, sm_scale=case.softmax_scale,
+            q_data_type=q.dtype, kv_data_type=cache.dtype, **plan_extra)
+        run_extra: dict[str, float] = {}
+        if fp8_kv:  # the pool's per-tensor dequantisation scale, for both parts of the latent
+            scale = float(inputs.pool.scale.reshape(-1)[0])
+            run_extra = dict.fromkeys(FP8_RUN_PARAMETERS, scale)
         out, lse = wrapper.run(q_nope=q[..., :rank], q_pe=q[..., rank:],
                                ckv_cache=cache[..., :rank], kpe_cache=cache[..., rank:],
-                               out=inputs.out.out, return_lse=True)
+                               out=inputs.out.out, return_lse=True, **run_extra)
         lse = lse_tokens_heads(lse_natural(lse, LSE_BASE), case.total_q, case.num_heads)
         return Output(out, lse, wrote_into_guarded=out.data_ptr() == inputs.out.out.data_ptr())
+
+    def _decode(self, got: Loaded, case: DecodeCase, inputs: DecodeInputs) -> Output:
+        kv_indptr, kv_indices, kv_lens = inputs.table.to_flashinfer()
+        return self._mla(got, case, inputs, qo_indptr=inputs.qo_indptr, kv_indptr=kv_indptr,
+                         kv_indices=kv_indices, kv_lens=kv_lens,
+                         cache=inputs.pool.data[:, :, 0, :],  # [pages, page_size, 576]: a view
+                         page_size=case.page_size, causal=True)
+
+    def _sparse(self, got: Loaded, case: SparseDecodeCase, inputs: DecodeInputs) -> Output:
+        assert inputs.topk_indices is not None
+        slots = topk_to_global_slots(inputs.topk_indices, inputs.qo_indptr, inputs.table)
+        valid = slots >= 0
+        kv_lens = valid.sum(dim=1).to(torch.int32)  # [T]: one request per query token
+        kv_indptr = torch.zeros(case.total_q + 1, dtype=torch.int32, device=slots.device)
+        kv_indptr[1:] = torch.cumsum(kv_lens, 0)
+        pool = inputs.pool.data
+        flat = pool.view(pool.shape[0] * pool.shape[1], 1, pool.shape[3])  # same bytes, page 1
+        out = self._mla(got, case, inputs,
+                        qo_indptr=torch.arange(case.total_q + 1, dtype=torch.int32),
+                        kv_indptr=kv_indptr, kv_indices=slots[valid], kv_lens=kv_lens,
+                        cache=flat, page_size=1, causal=False)
+        out.metadata["flashinfer"] = {"view": (
+            f"top-k as paged attention at page size 1: the pool {tuple(pool.shape)} viewed as "
+            f"{tuple(flat.shape)} tokens (no copy); one request per query token "
+            f"({case.total_q}), kv_indices = its valid top-k global slots, causal off")}
+        return out
 
     def _prefill(self, got: Loaded, case: PrefillCase, inputs: PrefillInputs) -> Output:
         dev = inputs.device
@@ -168,6 +308,29 @@ class FlashInferBackend(LibraryAdapter):
             logits_soft_cap=case.soft_cap if case.soft_cap > 0 else None,
             sm_scale=case.softmax_scale, q_data_type=q.dtype, kv_data_type=k.dtype)
         out, lse = wrapper.run(q=q, k=k, v=v, out=inputs.out.out, return_lse=True)
+        lse = lse_tokens_heads(lse_natural(lse, LSE_BASE), case.total_q, case.num_heads)
+        return Output(out, lse if case.return_lse else None,
+                      wrote_into_guarded=out.data_ptr() == inputs.out.out.data_ptr())
+
+    def _paged_prefill(self, got: Loaded, case: PrefillCase, inputs: PrefillInputs) -> Output:
+        assert inputs.k_pool is not None and inputs.v_pool is not None
+        dev = inputs.device
+        d = case.dims
+        table = inputs.k_pool.table  # K and V pools share it (inputs.build)
+        kv_indptr, kv_indices, _ = table.to_flashinfer()
+        wrapper = got.function("prefill.BatchPrefillWithPagedKVCacheWrapper")(
+            float_workspace_buffer=self._workspace_on(dev), kv_layout="NHD", backend=self.kernel)
+        q, k_cache, v_cache = inputs.q.stored, inputs.k_pool.data, inputs.v_pool.data
+        wrapper.plan(
+            qo_indptr=inputs.cu_seqlens_q.to(dev, torch.int32), paged_kv_indptr=kv_indptr.to(dev),
+            paged_kv_indices=kv_indices.to(dev),
+            paged_kv_last_page_len=table.last_page_lens.to(dev, torch.int32),
+            num_qo_heads=case.num_heads, num_kv_heads=case.num_heads, head_dim_qk=d.qk_head,
+            page_size=table.page_size, head_dim_vo=d.v_head, causal=case.causal,
+            logits_soft_cap=case.soft_cap if case.soft_cap > 0 else None,
+            sm_scale=case.softmax_scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+        out, lse = wrapper.run(q=q, paged_kv_cache=(k_cache, v_cache), out=inputs.out.out,
+                               return_lse=True)
         lse = lse_tokens_heads(lse_natural(lse, LSE_BASE), case.total_q, case.num_heads)
         return Output(out, lse if case.return_lse else None,
                       wrote_into_guarded=out.data_ptr() == inputs.out.out.data_ptr())

@@ -143,12 +143,18 @@ def fake_flash_mla(bug: str = "") -> types.ModuleType:
 # --------------------------------------------------------------------------- flashinfer
 
 
-def fake_flashinfer(bug: str = "") -> dict[str, types.ModuleType]:
+def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.ModuleType]:
+    """FlashInfer's MLA wrapper and ragged / paged prefill wrappers with the signatures of
+    `version`: "0.2.14" (flashinfer-python 0.2.14.post1: no FP8 MLA; the fa2 paged prefill
+    refuses K/V caches of different strides, as csrc/batch_prefill.cu does) or "0.7"
+    (0.7.2.post1: `plan(scale_mode=)` and `run(ckv_scale=, kpe_scale=)` for an fp8_e4m3fn KV
+    cache under bf16 q; unequal K/V strides taken)."""
     root, mla, prefill = (types.ModuleType(n) for n in
                           ("flashinfer", "flashinfer.mla", "flashinfer.prefill"))
-    root.__version__ = "0.2.14+fake"
+    root.__version__ = f"{version}+fake"
     root.mla, root.prefill = mla, prefill
     log2e = 1 / math.log(2)
+    new_api = version.startswith("0.7")
 
     class BatchMLAPagedAttentionWrapper:
         def __init__(self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None,  # noqa: ANN001
@@ -157,15 +163,24 @@ def fake_flashinfer(bug: str = "") -> dict[str, types.ModuleType]:
 
         def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv,  # noqa: ANN001, ANN201
                  head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type,
-                 use_profiler=False):
+                 use_profiler=False, **new):
+            assert set(new) <= ({"scale_mode"} if new_api else set()), new
+            if kv_data_type == torch.float8_e4m3fn:  # _fa_common.py's checks (0.7)
+                assert q_data_type == torch.bfloat16 and new.get("scale_mode") == "kv-per-tensor"
+            else:
+                assert kv_data_type == q_data_type and new.get("scale_mode", "default") == "default"
             self.plan_args = dict(qo=qo_indptr.tolist(), kvp=kv_indptr.tolist(),
                                   kvi=kv_indices, lens=kv_len_arr.tolist(), ps=page_size,
-                                  causal=causal, scale=sm_scale)
+                                  causal=causal, scale=sm_scale, kv_dtype=kv_data_type)
 
         def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None,  # noqa: ANN001, ANN201
                 return_lse=False, profiler_buffer=None, kv_len=None, page_table=None,
-                return_lse_base_on_e=False):
+                return_lse_base_on_e=False, **new):
             a = self.plan_args
+            assert ckv_cache.shape[1] == a["ps"] and ckv_cache.dtype == a["kv_dtype"]
+            fp8 = ckv_cache.dtype == torch.float8_e4m3fn
+            assert set(new) == ({"ckv_scale", "kpe_scale"} if fp8 else set()), new
+            ckv_s = 1.0 if bug == "ignores-kv-scale" else new.get("ckv_scale", 1.0)
             q = torch.cat([q_nope, q_pe], -1)
             out = torch.empty(*q_nope.shape, dtype=q.dtype) if out is None else out
             lse_out = torch.empty(q.shape[:2], dtype=torch.float32)
@@ -174,7 +189,8 @@ def fake_flashinfer(bug: str = "") -> dict[str, types.ModuleType]:
                 if hi == lo:
                     continue
                 pages = a["kvi"][a["kvp"][r]: a["kvp"][r + 1]]
-                kv = torch.cat([ckv_cache[pages], kpe_cache[pages]], -1)
+                kv = torch.cat([_take(ckv_cache, pages).float() * ckv_s,
+                                _take(kpe_cache, pages).float() * new.get("kpe_scale", 1.0)], -1)
                 kv = kv.reshape(-1, 1, kv.shape[-1])[:n]
                 o, l = attend(q[lo:hi], kv, kv[..., : q_nope.shape[-1]], a["scale"], a["causal"])
                 out[lo:hi] = o.to(out.dtype)
@@ -211,9 +227,80 @@ def fake_flashinfer(bug: str = "") -> dict[str, types.ModuleType]:
                 lse_out[qlo:qhi] = l * log2e
             return (out, lse_out) if return_lse else out
 
+    class BatchPrefillWithPagedKVCacheWrapper:
+        def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False,  # noqa: ANN001
+                     qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
+                     paged_kv_last_page_len_buf=None, custom_mask_buf=None,
+                     mask_indptr_buf=None, backend="auto", jit_args=None, jit_kwargs=None):
+            assert kv_layout == "NHD"
+            self.backend = backend
+            self.plan_args: dict[str, Any] = {}
+
+        def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,  # noqa: ANN001, ANN201
+                 num_qo_heads, num_kv_heads, head_dim_qk, page_size, head_dim_vo=None,
+                 custom_mask=None, packed_custom_mask=None, causal=False,
+                 pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None,
+                 window_left=-1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
+                 q_data_type="float16", kv_data_type=None, non_blocking=True,
+                 prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0,
+                 max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None,
+                 max_token_per_sequence=None, max_sequence_kv=None):
+            indptr = paged_kv_indptr.tolist()
+            last = paged_kv_last_page_len.tolist()
+            lens = [(indptr[r + 1] - indptr[r] - 1) * page_size + last[r]
+                    for r in range(len(last))]
+            self.plan_args = dict(qo=qo_indptr.tolist(), kvp=indptr, kvi=paged_kv_indices,
+                                  lens=lens, ps=page_size, causal=causal,
+                                  cap=logits_soft_cap or 0.0, scale=sm_scale,
+                                  dims=(head_dim_qk, head_dim_vo))
+
+        def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,  # noqa: ANN001, ANN201
+                out=None, lse=None, return_lse=False, enable_pdl=None, window_left=None,
+                sinks=None):
+            a = self.plan_args
+            k_cache, v_cache = paged_kv_cache
+            if self.backend == "fa2" and not new_api:  # csrc/batch_prefill.cu (0.2.14)
+                assert k_cache.stride() == v_cache.stride(), "k/v strides must be identical"
+            assert (k_cache.shape[-1], v_cache.shape[-1]) == a["dims"]
+            out = torch.empty(*q.shape[:2], v_cache.shape[-1], dtype=q.dtype) if out is None else out
+            lse_out = torch.empty(q.shape[:2], dtype=torch.float32)
+            for r, n in enumerate(a["lens"]):
+                lo, hi = a["qo"][r], a["qo"][r + 1]
+                if hi == lo:
+                    continue
+                pages = a["kvi"][a["kvp"][r]: a["kvp"][r + 1]]
+                whole = n if bug != "reads-whole-last-page" else len(pages) * a["ps"]
+                k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:whole]
+                v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:whole]
+                o, l = attend(q[lo:hi], k, v, a["scale"], a["causal"], a["cap"])
+                out[lo:hi] = o.to(out.dtype)
+                lse_out[lo:hi] = l * log2e
+            return (out, lse_out) if return_lse else out
+
     mla.BatchMLAPagedAttentionWrapper = BatchMLAPagedAttentionWrapper
     prefill.BatchPrefillWithRaggedKVCacheWrapper = BatchPrefillWithRaggedKVCacheWrapper
+    prefill.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
+    # what inspect.signature shows: 0.7's keyword-only FP8 parameters, none in 0.2.14
+    _add_keywords(BatchMLAPagedAttentionWrapper.plan, ("scale_mode",) if new_api else ())
+    _add_keywords(BatchMLAPagedAttentionWrapper.run, ("ckv_scale", "kpe_scale") if new_api else ())
     return {"flashinfer": root, "flashinfer.mla": mla, "flashinfer.prefill": prefill}
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t[rows] for any dtype (CPU indexing has no fp8 kernels: index the bytes)."""
+    if t.element_size() == 1 and t.dtype != torch.uint8:
+        return t.view(torch.uint8)[rows.long()].view(t.dtype)
+    return t[rows.long()]
+
+
+def _add_keywords(fn: Any, names: tuple[str, ...]) -> None:
+    """Give fn (which takes **kwargs) a signature that names `names` as keyword-only."""
+    import inspect
+
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in names]
+    fn.__signature__ = sig.replace(parameters=params)
 
 
 def install(monkeypatch: pytest.MonkeyPatch, modules: dict[str, types.ModuleType]) -> None:

@@ -13,10 +13,20 @@ import torch
 from _nvidia_fakes import fake_flash_mla, fake_flashinfer, install, on_cpu  # noqa: I001  (test-local helper)
 
 from mlacheck.backends import flashinfer, flashmla
+from mlacheck.backends.base import Capability
 from mlacheck.harness import RunOptions, run_case
 from mlacheck.inputs import build
 from mlacheck.kvcache import repaged
-from mlacheck.spec import DecodeCase, Placement, PrefillCase, Quant, Request, Segment
+from mlacheck.spec import (
+    DecodeCase,
+    Paging,
+    Placement,
+    PrefillCase,
+    Quant,
+    Request,
+    Segment,
+    SparseDecodeCase,
+)
 
 BF16 = Quant("bf16", "bf16")
 
@@ -127,3 +137,87 @@ def test_a_vectorized_decode_pool_is_a_skip_naming_the_layout(
         v = run_case(vec, on_cpu(backend), RunOptions("cpu"))
         assert v.status == "SKIP" and v.reason == "layout vectorized not in {linear}", v.reason
         assert run_case(DECODE_CASES[0], on_cpu(backend), RunOptions("cpu")).status == "PASS"
+
+
+# --------------------------------------------------------------------------- issue 32:
+# FlashInfer paged prefill, top-k through the MLA wrapper at page size 1, the 0.7 API
+
+PAGED_CASES = [
+    PrefillCase(segments=(Segment(20, 44), Segment(0, 9), Segment(5, 0)), quant=BF16,
+                paging=Paging(16)),
+    PrefillCase(segments=(Segment(9, 30),), quant=Quant("fp16", "fp16"), causal=False,
+                paging=Paging(1)),
+    PrefillCase(segments=(Segment(33, 100),), quant=BF16, soft_cap=30.0, paging=Paging(64)),
+]
+SPARSE_CASES = [
+    SparseDecodeCase(requests=(Request(1, 300), Request(2, 77), Request(0, 40)), topk=64,
+                     num_heads=8, page_size=16, quant=BF16),
+    SparseDecodeCase(requests=(Request(1, 50), Request(1, 20)), topk=32, valid_cap=0,
+                     num_heads=8, page_size=1, quant=BF16),
+    SparseDecodeCase(requests=(Request(3, 129),), topk=100, valid_cap=40, num_heads=16,
+                     page_size=64, quant=Quant("fp16", "fp16")),
+]
+
+
+@pytest.mark.parametrize("case", PAGED_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize(("version", "kernel"), [("0.2.14", "fa3"), ("0.7", "fa2"), ("0.7", "fa3")])
+def test_flashinfer_paged_prefill_passes_with_the_k_and_v_pools_as_they_are(
+        monkeypatch: pytest.MonkeyPatch, case: PrefillCase, version: str, kernel: str) -> None:
+    install(monkeypatch, fake_flashinfer(version=version))
+    v = run_case(case, on_cpu(flashinfer.FlashInferBackend(kernel)), RunOptions("cpu"))
+    assert v.status == "PASS", v.reason
+    assert v.op == "paged_prefill" and v.implementation["flashinfer"]["kernel"] == kernel
+
+
+def test_flashinfer_02_fa2_paged_prefill_is_the_kernels_stride_refusal(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """0.2.x's fa2 paged prefill refuses K/V caches of different strides: a SKIP saying so,
+    and the refusal is real (the fake, as csrc/batch_prefill.cu, raises when called)."""
+    install(monkeypatch, fake_flashinfer(version="0.2.14"))
+    backend = on_cpu(flashinfer.FlashInferBackend("fa2"))
+    v = run_case(PAGED_CASES[0], backend, RunOptions("cpu"))
+    assert v.status == "SKIP" and "k/v strides must be identical" in v.reason, v.reason
+    assert "adapter:" not in v.reason  # a kernel limit, not the adapter's choice
+    forced = on_cpu(flashinfer.FlashInferBackend("fa2"))
+    forced.capabilities = lambda: {"paged_prefill": Capability(devices=("cpu",), empty_requests=True)}
+    crashed = run_case(PAGED_CASES[0], forced, RunOptions("cpu"))
+    assert crashed.status == "CRASH" and "k/v strides must be identical" in crashed.reason
+
+
+def test_flashinfer_paged_prefill_reading_the_poisoned_tail_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, fake_flashinfer("reads-whole-last-page", version="0.7"))
+    v = run_case(PAGED_CASES[0], on_cpu(flashinfer.FlashInferBackend("fa3")), RunOptions("cpu"))
+    assert v.status == "FAIL", v.reason
+
+
+@pytest.mark.parametrize("case", SPARSE_CASES, ids=lambda c: c.id)
+def test_flashinfer_topk_decode_runs_as_page_size_1_over_a_view_of_the_pool(
+        monkeypatch: pytest.MonkeyPatch, case: SparseDecodeCase) -> None:
+    install(monkeypatch, fake_flashinfer())
+    v = run_case(case, on_cpu(flashinfer.FlashInferBackend("fa3")), RunOptions("cpu"))
+    assert v.status == "PASS", v.reason
+    view = v.implementation["flashinfer"]["view"]
+    assert "page size 1" in view and "no copy" in view and f"({case.total_q})" in view
+
+
+def test_flashinfer_topk_decode_with_a_planted_fault_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, fake_flashinfer("lse-natural"))
+    v = run_case(SPARSE_CASES[0], on_cpu(flashinfer.FlashInferBackend()), RunOptions("cpu"))
+    assert v.status == "FAIL", v.reason
+
+
+@pytest.mark.parametrize("scale", ["unit", "amax"])
+def test_flashinfer_07_takes_an_fp8_kv_cache_under_bf16_q(
+        monkeypatch: pytest.MonkeyPatch, scale: str) -> None:
+    case = DecodeCase(requests=(Request(1, 70), Request(2, 129)), page_size=16, num_heads=8,
+                      quant=Quant("bf16", "fp8_e4m3fn", scale))
+    install(monkeypatch, fake_flashinfer(version="0.7"))
+    v = run_case(case, on_cpu(flashinfer.FlashInferBackend()), RunOptions("cpu"))
+    assert v.status == "PASS", v.reason
+    install(monkeypatch, fake_flashinfer("ignores-kv-scale", version="0.7"))
+    v = run_case(case, on_cpu(flashinfer.FlashInferBackend()), RunOptions("cpu"))
+    assert v.status == ("FAIL" if scale == "amax" else "PASS"), v.reason  # unit: scale 1
+    install(monkeypatch, fake_flashinfer(version="0.2.14"))
+    v = run_case(case, on_cpu(flashinfer.FlashInferBackend()), RunOptions("cpu"))
+    assert v.status == "SKIP" and "fp8_e4m3fn" in v.reason and "0.7.x has one" in v.reason
