@@ -10,7 +10,19 @@ check of the installed function:
 | mla_decode | `mla.mla_decode_fwd` (paged 576-wide latent cache, vLLM block table) |
 | mla_prefill | `mha_v3.flash_attn_varlen_func` (MHA form; FP8 = FP8 q/k/v + descales) |
 | mla_sparse_decode | `unified_attention_sparse_mla.unified_attention_sparse_mla` |
+| paged_prefill | `extend_attention.extend_attention_fwd` (SGLang's extend: q/k 192, v 128) |
 | mla_decode (`aiter-triton-rope`) | `mla_decode_rope.decode_attention_fwd_grouped_rope` |
+
+How cases the kernels cannot take in one launch still run (the verdict's `implementation`
+says which): `mla_decode_fwd` takes one q_len per launch, so a batch mixing q_len runs as one
+launch per run of consecutive requests with the same q_len (each writes its own contiguous
+rows of the output buffer in place); empty requests (q_len 0) are left out of every launch
+(they have no output rows). The sparse kernel reads global slots as `pos // BLOCK_SIZE`,
+`pos % BLOCK_SIZE` with the page size as its tile and never consults the block table, so a
+pool whose page size is no tile it can use (1, 53, 256..1024) is handed over as a view of the
+same bytes with tile-sized pages (the address of every slot unchanged). The paged prefill
+reads each segment's context through its slots in the K/V pools (viewed as flat tokens, no
+copy) and the segment's new tokens from the ragged K/V, as a serving engine passes them.
 
 LSE: none of these entry points returns one. mla_decode: a second launch with
 `skip_reduce=True` returns AITER's per-segment base-2 statistics (max, expsum), merged here
@@ -48,7 +60,7 @@ from mlacheck.backends.toolkit import (  # topk_to_global_slots: re-exported (te
     topk_to_global_slots,
 )
 from mlacheck.fp8 import format_of
-from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
+from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs, cu_seqlens
 from mlacheck.spec import Case, DecodeCase, SparseDecodeCase
 
 # --------------------------------------------------------------------------- AITER modules
@@ -59,6 +71,7 @@ MOD_FA3 = "aiter.ops.triton._triton_kernels.flash_attn_triton_amd.interface_v3"
 MOD_FWD_PREFILL = "aiter.ops.triton._triton_kernels.flash_attn_triton_amd.fwd_prefill"
 MOD_SPARSE = "aiter.ops.triton.attention.unified_attention_sparse_mla"
 MOD_ROPE = "aiter.ops.triton.attention.mla_decode_rope"
+MOD_EXTEND = "aiter.ops.triton.attention.extend_attention"
 MOD_TYPES = "aiter.ops.triton.utils.types"
 
 # Files (relative to the aiter package) each op needs: checked before anything is imported.
@@ -68,6 +81,7 @@ OP_FILES: dict[str, tuple[str, ...]] = {
                     "ops/triton/_triton_kernels/flash_attn_triton_amd/interface_v3.py"),
     "mla_sparse_decode": ("ops/triton/attention/unified_attention_sparse_mla.py",),
     "mla_decode_rope": ("ops/triton/attention/mla_decode_rope.py",),
+    "paged_prefill": ("ops/triton/attention/extend_attention.py",),
 }
 
 # The keyword parameters passed to each installed entry point (checked with inspect.signature:
@@ -98,6 +112,11 @@ CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
         "kv_lora_rank", "rotary_dim", "cos_sin_cache", "positions", "attn_logits",
         "num_kv_splits", "sm_scale", "logit_cap", "use_rope", "is_neox_style", "config",
     ),
+    "extend_attention.extend_attention_fwd": (
+        "q_extend", "k_extend", "v_extend", "o_extend", "k_buffer", "v_buffer", "qo_indptr",
+        "kv_indptr", "kv_indices", "custom_mask", "is_causal", "mask_indptr", "max_len_extend",
+        "sm_scale", "logit_cap", "config",
+    ),
 }
 
 # Environment knob: heads per mla_decode_fwd launch when the KV cache is FP8, off ROCm.
@@ -114,6 +133,16 @@ ROPE_CONFIG_NON_AMD: dict[str, dict[str, Any]] = {
                                        "num_stages": 1},
     "fwd_kernel_stage2": {"num_stages": 2, "num_warps": 4},
 }
+
+# extend_attention_fwd off ROCm: AITER's gfx950 "default" without its AMD-only keys, at
+# BLOCK_M 64 (q 128 + 64 rope and v 128 tiles stay well inside an H100's shared memory). As
+# shipped AITER looks for configs/90-EXTEND_ATTENTION.json (FileNotFoundError).
+EXTEND_CONFIG_NON_AMD: dict[str, Any] = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4,
+                                         "num_stages": 1}
+# The tile of the view a sparse pool is handed over in when its own page size is none the
+# kernel can take (the kernel's tile is the page size; tl.dot needs >= 16).
+SPARSE_VIEW_TILE = 64
+SPARSE_MIN_TILE = 16
 
 # What Triton's interpreter can execute: its tl.dot multiplies the raw bits of bfloat16
 # operands (triton-lang/triton#11584), and fp8 is not modelled here.
@@ -145,6 +174,14 @@ def fp8_q_needs_page(min_page: int) -> CaseRule:
         return None
 
     return rule
+
+
+def sparse_pool_covers_a_tile(case: Case) -> str | None:
+    """The sparse view needs at least one whole tile of the smallest size in the pool."""
+    if isinstance(case, SparseDecodeCase) and sum(r.kv_len for r in case.requests) < SPARSE_MIN_TILE:
+        return (f"fewer than {SPARSE_MIN_TILE} cached tokens: no tile the sparse kernel can use "
+                "(tl.dot needs >= 16) fits the pool")
+    return None
 
 
 def sparse_rows_nonempty(case: Case) -> str | None:
@@ -198,6 +235,66 @@ def lse_from_splits(split_lse: torch.Tensor, kv_lens: torch.Tensor) -> torch.Ten
     neg = torch.full(split_lse.shape, float("-inf"), device=split_lse.device)
     x = torch.where(valid, split_lse.float(), neg)
     return torch.logsumexp(x, dim=-1)
+
+
+@dataclass(frozen=True)
+class QLenRun:
+    """Consecutive non-empty requests with one q_len: their tokens are contiguous rows."""
+
+    requests: tuple[int, ...]
+    q_len: int
+    first_token: int
+
+    @property
+    def tokens(self) -> int:
+        return self.q_len * len(self.requests)
+
+
+def q_len_runs(q_lens: list[int]) -> list[QLenRun]:
+    """The launches of a kernel that takes one q_len per launch: runs of consecutive requests
+    with the same q_len, empty requests (q_len 0: no tokens) left out and not breaking a run."""
+    runs: list[QLenRun] = []
+    token = 0
+    for r, n in enumerate(q_lens):
+        if n == 0:
+            continue
+        if runs and runs[-1].q_len == n:
+            last = runs[-1]
+            runs[-1] = QLenRun((*last.requests, r), n, last.first_token)
+        else:
+            runs.append(QLenRun((r,), n, token))
+        token += n
+    return runs
+
+
+def split_record(runs: list[QLenRun], batch: int) -> str:
+    """What the verdict says about a batch run as several launches."""
+    empty = batch - sum(len(r.requests) for r in runs)
+    parts = [f"{len(runs)} launch{'es' if len(runs) > 1 else ''} by q_len: "
+             + ", ".join(f"requests {list(r.requests)} at q_len {r.q_len}" for r in runs)]
+    if empty:
+        parts.append(f"{empty} empty request{'s' if empty > 1 else ''} left out")
+    return "; ".join(parts)
+
+
+def tile_view(kv: torch.Tensor, tile: int, min_tile: int) -> tuple[torch.Tensor, int]:
+    """A contiguous [pages, page, ...] pool as [n, tile, ...] pages over the same bytes.
+
+    Slot s = page * page_size + offset sits at token s of the flat pool, which is
+    (s // tile, s % tile) in the view. The view covers whole tiles; a kernel that addresses
+    blocks through strides (the sparse kernel does) reaches the last partial tile's tokens
+    as well (they are the same storage). `tile` shrinks to a power of two >= min_tile when
+    the pool is smaller.
+    """
+    if not kv.is_contiguous():
+        raise ValueError("a tile view needs a contiguous pool")
+    tokens = kv.shape[0] * kv.shape[1]
+    while tile > min_tile and tokens < tile:
+        tile //= 2
+    if tokens < tile:
+        raise ValueError(f"a pool of {tokens} tokens holds no {tile}-token tile")
+    flat = kv.reshape(tokens, *kv.shape[2:])
+    return flat[: tokens // tile * tile].view(tokens // tile, tile, *kv.shape[2:]), tile
 
 
 def _is_fp8(fmt: str) -> bool:
@@ -303,6 +400,7 @@ def load() -> Loaded | str:
                                        "fwd_prefill": MOD_FWD_PREFILL})
     _import_op("mla_sparse_decode", loaded, {"sparse": MOD_SPARSE})
     _import_op("mla_decode_rope", loaded, {"rope": MOD_ROPE})
+    _import_op("paged_prefill", loaded, {"extend": MOD_EXTEND})
     try:
         loaded.modules["types"] = importlib.import_module(MOD_TYPES)
     except Exception as e:  # only needed for AITER's own FP8 choice on ROCm
@@ -314,6 +412,7 @@ def load() -> Loaded | str:
                               "unified_attention_sparse_mla.unified_attention_sparse_mla"),
         "mla_decode_rope": ("rope", "decode_attention_fwd_grouped_rope",
                             "mla_decode_rope.decode_attention_fwd_grouped_rope"),
+        "paged_prefill": ("extend", "extend_attention_fwd", "extend_attention.extend_attention_fwd"),
     }
     for op, (mod, attr, key) in entries.items():
         if op in loaded.problems:
@@ -388,12 +487,13 @@ class AiterTritonBackend:
                 q_formats=base + fp8, kv_formats=base + fp8, format_pairs=frozenset(pairs),
                 scale_policies=("unit", "amax"), page_sizes=pages,
                 rules=(fp8_q_needs_page(fp8_min_page),) if fp8_min_page else (),
-                head_counts=Range(1, 128), q_len=Range(1, None), uniform_q_len=True,
+                head_counts=Range(1, 128), q_len=Range(1, None), empty_requests=True,
                 causal=(True,), layouts=DECODE_LAYOUTS, devices=devices,
                 refusal=problems.get("mla_decode"),
                 notes="mla_decode_fwd (vLLM block table); page size = tile (tl.dot needs >= 16); "
-                      "uniform q_len (MTP); causal bottom-right; LSE from a skip_reduce launch."
-                      + fp8_note)
+                      "one q_len per launch: a mixed batch runs as one launch per run of "
+                      "consecutive requests with one q_len, empty requests left out; causal "
+                      "bottom-right; LSE from a skip_reduce launch." + fp8_note)
         if "mla_decode" in ops and self.decode_entry == "grouped_rope":
             caps["mla_decode"] = Capability(
                 q_formats=base, kv_formats=base, format_pairs=frozenset({(f, f) for f in base}),
@@ -414,12 +514,35 @@ class AiterTritonBackend:
         if "mla_sparse_decode" in ops:
             caps["mla_sparse_decode"] = Capability(
                 q_formats=base, kv_formats=base, format_pairs=frozenset({(f, f) for f in base}),
-                page_sizes=pages, head_counts=Range(16, 128), heads_multiple_of=16, lse=False,
-                q_len=Range(1, None), causal=(True,), rules=(sparse_rows_nonempty,),
+                head_counts=Range(16, 128), heads_multiple_of=16, lse=False,
+                q_len=Range(1, None), causal=(True,), empty_requests=True,
+                rules=(sparse_rows_nonempty, sparse_pool_covers_a_tile),
                 layouts=DECODE_LAYOUTS, devices=devices, refusal=problems.get("mla_sparse_decode"),
+                reasons={"q_formats": "no scale arguments: no FP8",
+                         "kv_formats": "no scale arguments: no FP8",
+                         "head_counts": "BLOCK_M 16, grid T * H // 16: fewer heads compute "
+                                        "nothing", "heads_multiple_of": "BLOCK_M 16"},
                 notes="unified_attention_sparse_mla; topk = global slots (page*ps+offset) "
                       "converted from logical positions; heads multiple of 16 (BLOCK_M 16); "
-                      "page size = tile (>= 16); no FP8 scales; no LSE.")
+                      "the page size is the kernel's tile: pages it cannot tile "
+                      f"(not in {pages}) go in as a view with {SPARSE_VIEW_TILE}-token pages "
+                      "of the same bytes; empty requests left out; no FP8 scales; no LSE.")
+        if "paged_prefill" in ops:
+            caps["paged_prefill"] = Capability(
+                q_formats=base, kv_formats=base, format_pairs=frozenset({(f, f) for f in base}),
+                lse=False, soft_cap=True, causal=(True, False), empty_requests=True,
+                layouts=DECODE_LAYOUTS, devices=devices, refusal=problems.get("paged_prefill"),
+                reasons={"lse": "extend_attention_fwd returns no LSE; AITER's other Triton "
+                                "paged prefills take one head size for q, k and v "
+                                "(unified_attention, pa_prefill 'assert Lq == Lk and Lk == Lv', "
+                                "interface_v3's paged decode path 'Dimensions must match')",
+                         "q_formats": "extend_attention_fwd takes no scales: no FP8",
+                         "kv_formats": "extend_attention_fwd takes no scales: no FP8",
+                         "layouts": "the pools are read as flat token slots"},
+                notes="extend_attention_fwd (SGLang's MLA extend, q/k 192 = 128 + 64 rope, v 128): "
+                      "each segment's context through its slots in the K/V pools (viewed as "
+                      "flat tokens, no copy), its new tokens from the ragged K/V; causal or "
+                      "not; soft cap as logit_cap; no LSE.")
         return caps
 
     def run(self, case: Case, inputs: Inputs) -> Output:
@@ -428,6 +551,8 @@ class AiterTritonBackend:
             raise RuntimeError(got)
         with torch.no_grad():
             if isinstance(inputs, PrefillInputs):
+                if inputs.case.paging is not None:
+                    return self._paged_prefill(got, inputs)
                 return self._prefill(got, inputs)
             assert isinstance(inputs, DecodeInputs)
             if isinstance(case, SparseDecodeCase):
@@ -442,7 +567,7 @@ class AiterTritonBackend:
         if self.decode_entry == "grouped_rope":
             return {"mla_decode": "mla_decode_rope"}
         return {"mla_decode": "mla_decode", "mla_prefill": "mla_prefill",
-                "mla_sparse_decode": "mla_sparse_decode"}
+                "mla_sparse_decode": "mla_sparse_decode", "paged_prefill": "paged_prefill"}
 
     @staticmethod
     def _fp8_format(got: Loaded) -> str:
@@ -471,11 +596,9 @@ class AiterTritonBackend:
         block_table, seq_lens = table.to_vllm(pad_value=0)
         block_table, seq_lens = block_table.to(dev), seq_lens.to(dev)
         out = inp.out.out
-        kw: dict[str, Any] = dict(
-            kv_buffer=inp.pool.data, cu_seqlens_q=inp.qo_indptr.to(torch.int32),
-            seqused_k=seq_lens, max_seqlen_kv=int(table.kv_lens.max()), block_tables=block_table,
-            softmax_scale=case.softmax_scale, kv_lora_rank=case.dims.kv_lora_rank,
-            qk_rope_head_dim=case.dims.qk_rope, causal=True,
+        common: dict[str, Any] = dict(
+            kv_buffer=inp.pool.data, softmax_scale=case.softmax_scale,
+            kv_lora_rank=case.dims.kv_lora_rank, qk_rope_head_dim=case.dims.qk_rope, causal=True,
             q_descale=_scale_1(inp.q.scale) if _is_fp8(case.quant.q) else None,
             kv_descale=_scale_1(inp.pool.scale) if _is_fp8(case.quant.kv) else None,
         )
@@ -483,26 +606,36 @@ class AiterTritonBackend:
         h = case.num_heads
         step = h if amd or not _is_fp8(case.quant.kv) else max(1, self._fp8_heads())
         patches = compat.mla_decode_patches(mla, amd=amd, num_sms=no_gpu_num_sms())
-        lse_parts: list[torch.Tensor] | None = [] if self.decode_lse else None
-        q_lens = (inp.qo_indptr[1:] - inp.qo_indptr[:-1]).long().cpu()
-        tok_seq = torch.repeat_interleave(table.kv_lens, q_lens)
+        lse = torch.full((case.total_q, h), float("nan"), dtype=torch.float32, device=dev)
+        have_lse = self.decode_lse
+        runs = q_len_runs([r.q_len for r in case.requests])
         with patches:
-            for h0 in range(0, h, step):
-                sl = slice(h0, min(h, h0 + step))
-                mla.mla_decode_fwd(q=q[:, sl], out=out[:, sl], **kw)
-                if lse_parts is None:
-                    continue
-                res = mla.mla_decode_fwd(q=q[:, sl], out=torch.empty_like(out[:, sl]),
-                                         skip_reduce=True, **kw)
-                if not isinstance(res, tuple):  # one segment (gfx1250 path): no statistics
-                    lse_parts = None
-                    continue
-                _, segm_max, segm_sum = res
-                lse_parts.append(lse_from_segments(segm_max, segm_sum, tok_seq, table.page_size))
-        lse = torch.cat(lse_parts, dim=1) if lse_parts else None
-        meta = {"aiter_version": got.version, "patches": patches.describe(),
-                "heads_per_launch": step}
-        return Output(out, lse, metadata=meta, wrote_into_guarded=True)
+            for run in runs:
+                rows = torch.tensor(run.requests, device=dev)
+                toks = slice(run.first_token, run.first_token + run.tokens)
+                kv_lens = table.kv_lens[list(run.requests)]
+                kw = dict(common, cu_seqlens_q=torch.arange(
+                    0, run.tokens + 1, run.q_len, dtype=torch.int32, device=dev),
+                    seqused_k=seq_lens[rows], max_seqlen_kv=int(kv_lens.max()),
+                    block_tables=block_table[rows])
+                tok_seq = torch.repeat_interleave(kv_lens, run.q_len)
+                for h0 in range(0, h, step):
+                    sl = slice(h0, min(h, h0 + step))
+                    mla.mla_decode_fwd(q=q[toks, sl], out=out[toks, sl], **kw)
+                    if not have_lse:
+                        continue
+                    res = mla.mla_decode_fwd(q=q[toks, sl], out=torch.empty_like(out[toks, sl]),
+                                             skip_reduce=True, **kw)
+                    if not isinstance(res, tuple):  # one segment (gfx1250 path): no statistics
+                        have_lse = False
+                        continue
+                    _, segm_max, segm_sum = res
+                    lse[toks, sl] = lse_from_segments(segm_max, segm_sum, tok_seq, table.page_size)
+        meta: dict[str, Any] = {"aiter_version": got.version, "patches": patches.describe(),
+                                "heads_per_launch": step}
+        if len(runs) > 1 or case.has_empty:
+            meta["split"] = split_record(runs, len(case.requests))
+        return Output(out, lse if have_lse else None, metadata=meta, wrote_into_guarded=True)
 
     # -- mla_decode: decode_attention_fwd_grouped_rope
     def _decode_rope(self, got: Loaded, inp: DecodeInputs) -> Output:
@@ -553,23 +686,69 @@ class AiterTritonBackend:
         table = inp.table
         block_table, seq_lens = table.to_vllm(pad_value=0)
         slots = topk_to_global_slots(inp.topk_indices, inp.qo_indptr, table)
+        busy = [r for r, req in enumerate(case.requests) if req.q_len]  # empty ones left out
+        q_lens = [case.requests[r].q_len for r in busy]
+        cu = torch.zeros(len(busy) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+        kv, tile = inp.pool.data, table.page_size
+        meta: dict[str, Any] = {"aiter_version": got.version}
+        native = POW2_PAGES_FROM_16 if compat.on_rocm() else NVIDIA_PAGES
+        if tile not in native:
+            kv, tile = tile_view(kv, SPARSE_VIEW_TILE, SPARSE_MIN_TILE)
+            meta["view"] = (f"pool {tuple(inp.pool.data.shape)} (page {table.page_size}) handed "
+                            f"over as {tuple(kv.shape)}: {tile}-token pages of the same bytes "
+                            "(the kernel addresses slot s at (s // tile, s % tile)); no copy")
+        if case.has_empty:
+            meta["left_out"] = f"{len(case.requests) - len(busy)} empty requests"
         out = inp.out.out
+        rows = torch.tensor(busy, dtype=torch.long)
         sparse.unified_attention_sparse_mla(
-            q=inp.q.stored, kv=inp.pool.data, out=out, cu_seqlens_q=inp.qo_indptr.to(torch.int32),
-            max_seqlen_q=case.max_q_len, seqused_k=seq_lens.to(dev),
-            max_seqlen_k=int(table.kv_lens.max()), softmax_scale=case.softmax_scale,
-            topk_indices=slots.contiguous(), block_table=block_table.to(dev),
+            q=inp.q.stored, kv=kv, out=out, cu_seqlens_q=cu.to(dev),
+            max_seqlen_q=max(q_lens), seqused_k=seq_lens[rows].to(dev),
+            max_seqlen_k=int(table.kv_lens[rows].max()), softmax_scale=case.softmax_scale,
+            topk_indices=slots.contiguous(), block_table=block_table[rows].to(dev),
             kv_lora_rank=case.dims.kv_lora_rank,
         )
-        return Output(out, None, metadata={"aiter_version": got.version},
-                      wrote_into_guarded=True)
+        return Output(out, None, metadata=meta, wrote_into_guarded=True)
+
+    # -- paged_prefill: extend_attention_fwd
+    def _paged_prefill(self, got: Loaded, inp: PrefillInputs) -> Output:
+        self._require(got, "paged_prefill")
+        case = inp.case
+        assert inp.k_pool is not None and inp.v_pool is not None
+        ext = got.modules["extend"]
+        dev = inp.device
+        table = inp.k_pool.table  # the K and V pools share it
+        k_pool, v_pool = inp.k_pool.data, inp.v_pool.data
+        k_buffer = k_pool.view(-1, *k_pool.shape[2:])  # [pages * page_size, H, D]: same bytes
+        v_buffer = v_pool.view(-1, *v_pool.shape[2:])
+        context = [s.context_len for s in case.segments]
+        kv_indices = torch.cat([table.slots_of(r)[:n] for r, n in enumerate(context)])
+        starts = inp.cu_seqlens_k.tolist()
+        new = torch.cat([torch.arange(starts[r] + n, starts[r + 1]) for r, n in enumerate(context)])
+        new = new.to(dev)
+        amd = compat.on_rocm() or not self.compat_layer
+        config = None if amd else compat.launch_config(ext._fwd_kernel, EXTEND_CONFIG_NON_AMD,
+                                                       amd=False)
+        ext.extend_attention_fwd(
+            q_extend=inp.q.stored, k_extend=inp.k.stored[new], v_extend=inp.v.stored[new],
+            o_extend=inp.out.out, k_buffer=k_buffer, v_buffer=v_buffer,
+            qo_indptr=inp.cu_seqlens_q.to(dev, torch.int32),
+            kv_indptr=cu_seqlens(context).to(dev), kv_indices=kv_indices.to(dev, torch.int32),
+            custom_mask=None, is_causal=case.causal, mask_indptr=None,
+            max_len_extend=max(s.q_len for s in case.segments), sm_scale=case.softmax_scale,
+            logit_cap=case.soft_cap, config=config,
+        )
+        meta = {"aiter_version": got.version, "config": config or "AITER's JSON (ROCm)",
+                "view": f"K/V pools {tuple(k_pool.shape)} / {tuple(v_pool.shape)} read as flat "
+                        f"token slots {tuple(k_buffer.shape)} / {tuple(v_buffer.shape)} (no "
+                        "copy) for each segment's context; its new tokens from the ragged K/V"}
+        return Output(inp.out.out, None, metadata=meta, wrote_into_guarded=True)
 
     # -- mla_prefill
     def _prefill(self, got: Loaded, inp: PrefillInputs) -> Output:
         self._require(got, "mla_prefill")
         case = inp.case
-        if case.paging is not None:
-            raise ValueError("aiter-triton provides mla_prefill only (no paged_prefill)")
         mha_v3, fa3 = got.modules["mha_v3"], got.modules["fa3"]
         amd = compat.on_rocm() or not self.compat_layer
         patches = compat.mha_prefill_patches(got.modules["fwd_prefill"], mha_v3, amd=amd)

@@ -80,6 +80,7 @@ COMPILED_KERNELS = (
     ("mla", "triton_mla_decode_fwd_kernel"), ("mla", "triton_mla_decode_fwd_reduce_kernel"),
     ("sparse", "_kernel_unified_attention_sparse_mla_2d"),
     ("rope", "_fwd_grouped_kernel_stage1_rope"), ("rope", "_fwd_kernel_stage2"),
+    ("extend", "_fwd_kernel"),
 )
 
 
@@ -152,7 +153,7 @@ def compile_cases() -> list[tuple[str, Case]]:
 
 def smoke_cases(interp: bool) -> list[tuple[str, Case]]:
     """A few small cases per entry point (names say what each one shows)."""
-    from mlacheck.spec import Placement, Quant, Request, Segment
+    from mlacheck.spec import Paging, Placement, Quant, Request, Segment
 
     sentinel = Placement(tail_poison="sentinel")
     if interp:  # what the CPU interpreter can run in seconds: fp32 / fp16, tiny
@@ -169,6 +170,24 @@ def smoke_cases(interp: bool) -> list[tuple[str, Case]]:
             ("sparse fp32 h16 p16 topk 32", SparseDecodeCase(
                 (Request(1, 50), Request(2, 40)), topk=32, num_heads=16, page_size=16,
                 quant=f32)),
+            # split launches: mixed q_len, an empty request between two of the same q_len
+            ("decode mixed q_len + empty fp32 h16 p16", DecodeCase(
+                (Request(1, 40), Request(2, 33), Request(0, 20), Request(2, 21),
+                 Request(1, 17)), 16, 16, f32, sentinel)),
+            # pages the sparse kernel cannot tile, through the tile view; an empty request
+            ("sparse fp32 h16 p1 topk 32 + empty", SparseDecodeCase(
+                (Request(1, 50), Request(0, 9), Request(2, 40)), topk=32, num_heads=16,
+                page_size=1, quant=f32)),
+            ("sparse fp16 h16 p53 topk 48", SparseDecodeCase(
+                (Request(2, 120), Request(1, 61)), topk=48, num_heads=16, page_size=53,
+                quant=f16)),
+            # paged prefill through extend_attention_fwd (no LSE), page 1 and 16
+            ("paged prefill fp16 h8 p1 causal", PrefillCase(
+                (Segment(20, 44), Segment(0, 9), Segment(7, 0)), 8, True, f16,
+                return_lse=False, paging=Paging(1))),
+            ("paged prefill fp16 h8 p16 non-causal soft cap", PrefillCase(
+                (Segment(19, 30),), 8, False, f16, soft_cap=30.0, return_lse=False,
+                paging=Paging(16), placement=sentinel)),
         ]
     bf, fp = Quant("bf16", "bf16"), Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax")
     return [
@@ -199,6 +218,20 @@ def smoke_cases(interp: bool) -> list[tuple[str, Case]]:
             (Segment(40, 88),), 16, False, bf)),
         ("prefill fp8 h16 2 segments", PrefillCase(
             (Segment(48, 0), Segment(33, 17)), 16, True, fp)),
+        ("decode mixed q_len + empty bf16 h16 p16", DecodeCase(
+            (Request(1, 150), Request(3, 64), Request(0, 20), Request(3, 99), Request(1, 33)),
+            16, 16, bf, sentinel)),
+        ("sparse bf16 h16 p1 topk 256 + empty", SparseDecodeCase(
+            (Request(1, 700), Request(0, 9), Request(2, 300)), topk=256, num_heads=16,
+            page_size=1)),
+        ("sparse bf16 h16 p1024 topk 2048", SparseDecodeCase(
+            (Request(1, 2500), Request(2, 1100)), topk=2048, num_heads=16, page_size=1024)),
+        ("paged prefill bf16 h16 p16 causal", PrefillCase(
+            (Segment(37, 0), Segment(20, 45), Segment(64, 64)), 16, True, bf,
+            return_lse=False, paging=Paging(16))),
+        ("paged prefill bf16 h16 p1024 non-causal soft cap", PrefillCase(
+            (Segment(21, 50), Segment(5, 0)), 16, False, bf, soft_cap=30.0, return_lse=False,
+            paging=Paging(1024), placement=sentinel)),
     ]
 
 

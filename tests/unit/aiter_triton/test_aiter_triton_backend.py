@@ -5,6 +5,7 @@ installed (the CI machine has neither)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from mlacheck.backends.registry import BUILTIN, resolve
 from mlacheck.backends.toolkit import signature_problem
 from mlacheck.harness import RunOptions, run_case
 from mlacheck.kvcache import PageTable
-from mlacheck.spec import DecodeCase, PrefillCase, Quant, Request, Segment, SparseDecodeCase
+from mlacheck.spec import DecodeCase, Paging, PrefillCase, Quant, Request, Segment, SparseDecodeCase
 from mlacheck.verdict import SKIP
 
 
@@ -68,7 +69,7 @@ def test_skips_cleanly_when_aiter_is_absent(fresh: pytest.MonkeyPatch) -> None:
     v = run_case(case, b, RunOptions("cpu"))
     assert v.status == SKIP and v.reason == f"unavailable: {why}"
     caps = b.capabilities()
-    assert set(caps) == {"mla_decode", "mla_prefill", "mla_sparse_decode"}
+    assert set(caps) == {"mla_decode", "mla_prefill", "mla_sparse_decode", "paged_prefill"}
     assert all(c.why_not(case, "cpu") == why for c in caps.values())
 
 
@@ -231,7 +232,15 @@ def test_capabilities_of_a_loaded_backend(monkeypatch: pytest.MonkeyPatch) -> No
     assert mixed is not None and "q/kv formats" in mixed
     assert caps["mla_sparse_decode"].why_not(SparseDecodeCase(), "cuda") == (
         "installed aiter lacks sparse")
-    assert "paged_prefill" not in caps
+    paged = caps["paged_prefill"]
+    lse = paged.why_not(PrefillCase(paging=Paging(16)), "cuda")  # return_lse by default
+    assert lse is not None and lse.startswith("LSE output not supported (extend_attention_fwd")
+    no_lse = PrefillCase(segments=(Segment(20, 44), Segment(0, 9)), paging=Paging(1),
+                         return_lse=False, soft_cap=30.0, causal=False)
+    assert paged.why_not(no_lse, "cuda") is None
+    assert "fp8_e4m3fn" in (paged.why_not(dataclasses.replace(no_lse, quant=fp8), "cuda") or "")
+    # mixed q_len and empty requests run (split launches); any page size for sparse (a view)
+    assert dec.why_not(DecodeCase((Request(1, 64), Request(0, 9), Request(3, 80))), "cuda") is None
 
 
 def test_interpreter_capabilities(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -73,7 +73,7 @@ def interpreter() -> None:
 @pytest.fixture(scope="module")
 def smoke(interpreter: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("aiter_triton_interp")
-    cmd = [sys.executable, "-m", "mlacheck.backends.aiter_triton", "--device", "cpu", "--rope",
+    cmd = [sys.executable, "-m", "mlacheck.backends.aiter_triton_check", "--device", "cpu", "--rope",
            "--json", str(out)]
     res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=1200,
                          cwd=REPO)
@@ -126,3 +126,20 @@ def test_grouped_rope_decode_passes(smoke: dict[str, dict], name: str) -> None:
     v = smoke[name]
     assert v["status"] == "PASS", v
     assert _checks(v)["lse"]["passed"] and _checks(v)["lse"]["value"] is not None
+
+
+@pytest.mark.parametrize("name", [
+    "decode mixed q_len + empty fp32 h16 p16",
+    "sparse fp32 h16 p1 topk 32 + empty",
+    "sparse fp16 h16 p53 topk 48",
+    "paged prefill fp16 h8 p1 causal",
+    "paged prefill fp16 h8 p16 non-causal soft cap",
+])
+def test_cases_one_launch_cannot_take_run_split_or_through_a_view(
+        smoke: dict[str, dict], name: str) -> None:
+    """Issue 32: mixed q_len and empty requests (split launches), pages the sparse kernel
+    cannot tile (a view of the same bytes), paged prefill (extend_attention_fwd)."""
+    v = smoke[name]
+    assert v["status"] == "PASS", v
+    impl = json.dumps(v["implementation"])
+    assert ("split" in impl or "view" in impl or "left_out" in impl), impl
