@@ -88,6 +88,15 @@ SPARSE_REASONS = {
 }
 
 
+# The MHA-form prefill ops: kernel limits, read in FlashMLA's sources (9241ae3).
+PREFILL_REFUSALS = {
+    "mla_prefill": "FlashMLA's dense prefill (flash_attn_varlen_func, csrc/sm100/prefill/dense) "
+                   "is sm_100 only: no sm_90 kernel",
+    "paged_prefill": "FlashMLA has no paged MHA prefill (its prefills: the sm_100 dense varlen "
+                     "and the top-k sparse prefill flash_mla_sparse_fwd)",
+}
+
+
 def load() -> Loaded | str:
     """Import flash_mla and check the installed signatures; a one-line reason otherwise."""
     return load_library(MODULE, distributions=DISTRIBUTIONS, install_hint=INSTALL_HINT,
@@ -114,6 +123,7 @@ class FlashMLABackend(LibraryAdapter):
                     "mla_sparse_decode": Capability(refusal=got)}
         problem = got.first_problem(CALLED_PARAMETERS)
         return {
+            **{op: Capability(refusal=why) for op, why in PREFILL_REFUSALS.items()},
             "mla_decode": Capability(
                 q_formats=FORMATS, kv_formats=FORMATS,
                 format_pairs=frozenset((f, f) for f in FORMATS), empty_requests=True,

@@ -1,4 +1,5 @@
 """`mlacheck report results.jsonl [-o outdir]`: write report.md and report.html.
+`mlacheck report --coverage results.jsonl [...] [-o coverage.md]`: the coverage table.
 
 Bad input (a missing, unreadable or empty results file) is one line on stderr and exit code 2,
 so CI scripts can tell "no results" from "results with failures" (exit 0: the report's job is
@@ -36,7 +37,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; argv excludes the 'report' subcommand word."""
+    """Entry point; argv excludes the 'report' subcommand word. `--coverage FILE...` prints
+    the per backend x version x op coverage table instead (mlacheck.report.coverage)."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--coverage" in argv:
+        from mlacheck.report import coverage
+
+        return coverage.main([a for a in argv if a != "--coverage"])
     args = parser().parse_args(argv)
     path: Path = args.results
     try:
