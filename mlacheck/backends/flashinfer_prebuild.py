@@ -6,7 +6,10 @@ several xdist workers that took 15-20 minutes per premerge, and a copied JIT cac
 compiled again. Built in one ninja run (232-262 s on an H100 with 16 cores) and copied to the
 paths FlashInfer loads prebuilt modules from (`JitSpec.aot_path`), they load without
 compiling; `--archive` packs them (5-6 MB as tar.xz) to restore on the next machine. Measured
-with flashinfer-python 0.2.14.post1 (docs/flashinfer.md).
+with flashinfer-python 0.2.14.post1 (docs/flashinfer.md). The generators follow the installed
+release: 0.7.x builds its fa2 batch prefill as two modules (`prefill._gen_batch_prefill_
+primary_module` and, for paged K/V caches of unequal strides, `_gen_batch_prefill_
+independent_paged_module`), and its MLA decode has an fp8_e4m3fn-KV variant under bf16 q.
 
     python -m mlacheck.backends.flashinfer_prebuild [--archive aot.tar.xz]
 """
@@ -27,36 +30,77 @@ from mlacheck.spec import MLADims
 KERNELS = ("fa2", "fa3")  # the `flashinfer` and `flashinfer-fa3` backends
 
 
-def variants(dims: MLADims | None = None) -> list[tuple[str, dict[str, Any]]]:
-    """(generator name, its keyword arguments) for every module the backends' calls select:
-    kernel x dtype for MLA decode, and x soft cap off/on for the ragged prefill."""
+MLA = "jit.gen_batch_mla_module"
+PREFILL = "jit.gen_batch_prefill_module"
+# 0.7.x: what `prefill.get_batch_prefill_module` builds for fa2 instead of PREFILL
+FA2_PREFILL_07 = ("prefill._gen_batch_prefill_primary_module",
+                  "prefill._gen_batch_prefill_independent_paged_module")
+
+
+def variants(dims: MLADims | None = None, *, split_fa2_prefill: bool = False,
+             fp8_kv: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """(generator, its keyword arguments) for every module the backends' calls select:
+    kernel x dtype for MLA decode (+ bf16 q over fp8_e4m3fn KV where the release has it), and
+    x soft cap off/on for the batch prefill (ragged and paged runs share a module; 0.7.x's fa2
+    splits it in two: `split_fa2_prefill`). A generator is a dotted name under `flashinfer`."""
     import torch
 
     dims = dims or MLADims()
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    mla_pairs = [(dtypes[f], dtypes[f]) for f in DECODE_FORMATS]
+    if fp8_kv:
+        mla_pairs.append((torch.bfloat16, torch.float8_e4m3fn))
     out: list[tuple[str, dict[str, Any]]] = []
     for kernel in KERNELS:
-        for fmt in DECODE_FORMATS:
-            dt = dtypes[fmt]
-            out.append(("gen_batch_mla_module", dict(
-                backend=kernel, dtype_q=dt, dtype_kv=dt, dtype_o=dt, dtype_idx=torch.int32,
+        for dq, dkv in mla_pairs:
+            out.append((MLA, dict(
+                backend=kernel, dtype_q=dq, dtype_kv=dkv, dtype_o=dq, dtype_idx=torch.int32,
                 head_dim_ckv=dims.kv_lora_rank, head_dim_kpe=dims.qk_rope, use_profiler=False)))
+        generators = FA2_PREFILL_07 if split_fa2_prefill and kernel == "fa2" else (PREFILL,)
         for fmt in PREFILL_FORMATS:
             dt = dtypes[fmt]
             for soft_cap in (False, True):
-                out.append(("gen_batch_prefill_module", dict(
-                    backend=kernel, dtype_q=dt, dtype_kv=dt, dtype_o=dt, dtype_idx=torch.int32,
-                    head_dim_qk=dims.qk_head, head_dim_vo=dims.v_head, pos_encoding_mode=0,
-                    use_sliding_window=False, use_logits_soft_cap=soft_cap,
-                    use_fp16_qk_reduction=False)))
+                for gen in generators:
+                    out.append((gen, dict(
+                        backend=kernel, dtype_q=dt, dtype_kv=dt, dtype_o=dt,
+                        dtype_idx=torch.int32, head_dim_qk=dims.qk_head, head_dim_vo=dims.v_head,
+                        pos_encoding_mode=0, use_sliding_window=False,
+                        use_logits_soft_cap=soft_cap, use_fp16_qk_reduction=False)))
     return out
+
+
+def adapter_module() -> Any:
+    """mlacheck.backends.flashinfer (what the backends call decides what is built)."""
+    from mlacheck.backends import flashinfer as adapter
+
+    return adapter
+
+
+def installed_variants() -> list[tuple[str, dict[str, Any]]]:
+    """`variants` for the FlashInfer installed here."""
+    import importlib
+
+    adapter = adapter_module()
+    prefill = importlib.import_module("flashinfer.prefill")
+    got = adapter.load()
+    fp8_kv = not isinstance(got, str) and adapter.takes_fp8_kv(got)
+    return variants(split_fa2_prefill=all(hasattr(prefill, g.split(".")[1]) for g in FA2_PREFILL_07),
+                    fp8_kv=fp8_kv)
+
+
+def resolve(generator: str) -> Any:
+    """A dotted name under `flashinfer` (jit.gen_batch_mla_module, prefill._gen_...)."""
+    import importlib
+
+    module, attr = generator.rsplit(".", 1)
+    return getattr(importlib.import_module(f"flashinfer.{module}"), attr)
 
 
 def prebuild(archive: Path | None = None) -> list[Path]:
     """Build, install as prebuilt modules, optionally archive; returns the installed files."""
     import flashinfer.jit as jit
 
-    specs = [getattr(jit, gen)(**kwargs) for gen, kwargs in variants()]
+    specs = [resolve(gen)(**kwargs) for gen, kwargs in installed_variants()]
     start = time.monotonic()
     jit.build_jit_specs(specs, verbose=False)
     print(f"built {len(specs)} modules in {time.monotonic() - start:.0f} s", flush=True)

@@ -22,7 +22,7 @@ def _fake_jit(root: Path) -> types.ModuleType:
 
     def gen_batch_mla_module(backend, dtype_q, dtype_kv, dtype_o, dtype_idx,  # noqa: ANN001, ANN202
                              head_dim_ckv, head_dim_kpe, use_profiler):
-        return spec(f"mla_{backend}_{dtype_q}_{head_dim_ckv}_{head_dim_kpe}".replace("torch.", ""))
+        return spec(f"mla_{backend}_{dtype_q}_{dtype_kv}_{head_dim_ckv}_{head_dim_kpe}".replace("torch.", ""))
 
     def gen_batch_prefill_module(backend, dtype_q, dtype_kv, dtype_o, dtype_idx,  # noqa: ANN001, ANN202
                                  head_dim_qk, head_dim_vo, pos_encoding_mode, use_sliding_window,
@@ -43,17 +43,25 @@ def _fake_jit(root: Path) -> types.ModuleType:
     return jit
 
 
+def _install(monkeypatch, jit: types.ModuleType, prefill: types.ModuleType) -> None:  # noqa: ANN001
+    root = types.ModuleType("flashinfer")
+    root.jit, root.prefill = jit, prefill
+    for name, mod in (("flashinfer", root), ("flashinfer.jit", jit),
+                      ("flashinfer.prefill", prefill)):
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
 def test_builds_each_variant_the_backends_select_and_archives_them(tmp_path: Path,
                                                                    monkeypatch) -> None:  # noqa: ANN001
     jit = _fake_jit(tmp_path)
-    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
-    monkeypatch.setitem(sys.modules, "flashinfer.jit", jit)
-    for gen, kwargs in flashinfer_prebuild.variants():
-        inspect.signature(getattr(jit, gen)).bind(**kwargs)  # every keyword is a real parameter
+    _install(monkeypatch, jit, types.ModuleType("flashinfer.prefill"))
+    for gen, kwargs in flashinfer_prebuild.installed_variants():
+        # every keyword is a real parameter of the generator it goes to
+        inspect.signature(flashinfer_prebuild.resolve(gen)).bind(**kwargs)
     installed = flashinfer_prebuild.prebuild(tmp_path / "aot.tar.xz")
     assert len(installed) == len(set(jit.built)) == 12  # fa2/fa3 x bf16/fp16 x (decode + 2 prefill)
     assert {p.read_bytes().decode() for p in installed} == set(jit.built)
-    assert "mla_fa3_bfloat16_512_64" in jit.built and "prefill_fa2_float16_192_128_capTrue" in jit.built
+    assert "mla_fa3_bfloat16_bfloat16_512_64" in jit.built and "prefill_fa2_float16_192_128_capTrue" in jit.built
     with tarfile.open(tmp_path / "aot.tar.xz") as tar:
         assert sum(n.endswith(".so") for n in tar.getnames()) == 12
         assert all(n.startswith("aot") for n in tar.getnames())
@@ -64,3 +72,27 @@ def test_without_flashinfer_it_says_so_with_exit_2(monkeypatch, capsys) -> None:
     assert flashinfer_prebuild.main([]) == 2
     assert "FlashInfer is not importable" in capsys.readouterr().err
 
+
+
+def test_07_builds_fa2_prefill_as_its_two_modules_and_the_fp8_kv_decode(tmp_path: Path,
+                                                                        monkeypatch) -> None:  # noqa: ANN001
+    """0.7.x: fa2's batch prefill is a primary + an independent-stride paged module (both
+    built), and the MLA decode has a bf16-q / fp8_e4m3fn-KV variant."""
+    jit = _fake_jit(tmp_path)
+    prefill = types.ModuleType("flashinfer.prefill")
+    for gen in flashinfer_prebuild.FA2_PREFILL_07:
+        name = gen.split(".")[1]
+
+        def make(tag: str):  # noqa: ANN202
+            def generator(backend, **kw):  # noqa: ANN001, ANN202
+                return jit.gen_batch_prefill_module(backend + tag, **kw)
+            return generator
+        setattr(prefill, name, make("_independent" if "independent" in name else "_primary"))
+    _install(monkeypatch, jit, prefill)
+    monkeypatch.setattr(flashinfer_prebuild.adapter_module(), "load", lambda: object())
+    monkeypatch.setattr(flashinfer_prebuild.adapter_module(), "takes_fp8_kv", lambda got: True)
+    installed = flashinfer_prebuild.prebuild()
+    # fa2: 3 MLA + 2 x 4 prefill; fa3: 3 MLA + 4 prefill
+    assert len(installed) == len(set(jit.built)) == 18
+    assert "mla_fa2_bfloat16_float8_e4m3fn_512_64" in jit.built
+    assert sum(n.startswith("prefill_fa2_independent") for n in jit.built) == 4
