@@ -25,7 +25,7 @@ from pathlib import Path
 
 from mlacheck.backends.base import ADAPTER_CHOICE
 from mlacheck.report.load import read_results
-from mlacheck.verdict import CRASH, ERROR, FAIL, PASS, SKIP, Verdict
+from mlacheck.verdict import Verdict
 
 EXECUTED = "executed"
 KERNEL, ADAPTER, MACHINE = "kernel limit", "adapter", "machine"
@@ -48,14 +48,12 @@ def skip_class(reason: str) -> str:
 
 
 def outcome(v: Verdict) -> str:
-    """The coverage column of one verdict."""
-    if v.status in (PASS, FAIL, CRASH):  # KNOWN / XPASS are FAIL / PASS with a rule attached
+    """The coverage column of one verdict (the verdict says what its status means)."""
+    if v.executed:  # KNOWN / XPASS count: the kernel ran
         return EXECUTED
-    if v.status == SKIP:
-        return skip_class(v.reason)
-    if v.status == ERROR:
+    if v.is_suite_error:
         return SUITE
-    return v.status
+    return skip_class(v.reason)  # what is left is a SKIP
 
 
 @dataclass
@@ -67,7 +65,7 @@ class Coverage:
         key = (v.backend, str(v.implementation.get("version", "")), v.op)
         column = outcome(v)
         self.counts.setdefault(key, Counter())[column] += 1
-        if v.status == SKIP:
+        if column in (KERNEL, ADAPTER, MACHINE):
             self.reasons[(v.backend, v.op, column, v.reason)] += 1
 
 
