@@ -47,7 +47,49 @@ def phases(path: str | Path) -> dict[str, Any]:
         total["wall"] = total.get("wall", 0.0) + float(rec.get("wall") or 0.0)
     return {"items": len(records), "statuses": statuses,
             "summed_s": {k: round(v, 1) for k, v in sorted(total.items())},
-            "longest_cases": longest_cases(records)}
+            "longest_cases": longest_cases(records), "timeline": timeline(records)}
+
+
+def timeline(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """How the workers spent the run (items record when and where they ran): the span from
+    the first item's start to the last one's end, each worker's busy share, what ended last,
+    and the kernel time of each worker's first item of a backend against that backend's
+    median (a per-process compile, e.g. Triton JIT, shows as a large first item)."""
+    timed = [r for r in records if r.get("started") and r.get("worker")]
+    if not timed:
+        return {}
+    t0 = min(float(r["started"]) for r in timed)
+    end = max(float(r["started"]) + float(r.get("wall") or 0) for r in timed)
+    span = end - t0
+    busy: dict[str, float] = {}
+    first: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in sorted(timed, key=lambda r: float(r["started"])):
+        w = str(r["worker"])
+        busy[w] = busy.get(w, 0.0) + float(r.get("wall") or 0)
+        kernel = (r.get("timings") or {}).get("kernel")
+        if kernel is not None:
+            first.setdefault((w, str(r["backend"])), r)
+    last = max(timed, key=lambda r: float(r["started"]) + float(r.get("wall") or 0))
+    kernels: dict[str, list[float]] = {}
+    for r in timed:
+        k = (r.get("timings") or {}).get("kernel")
+        if k is not None:
+            kernels.setdefault(str(r["backend"]), []).append(float(k))
+    firsts: dict[str, list[float]] = {}
+    for (_, b), r in first.items():
+        firsts.setdefault(b, []).append(float(r["timings"]["kernel"]))
+    return {
+        "span_s": round(span, 1), "workers": len(busy),
+        "busy_share": {w: round(b / span, 2) for w, b in sorted(busy.items())} if span else {},
+        "ended_last": {"case": last["case_id"], "backend": last["backend"],
+                       "started_at_s": round(float(last["started"]) - t0, 1),
+                       "wall_s": round(float(last.get("wall") or 0), 1)},
+        "first_kernel_vs_median_s": {
+            b: {"first_mean": round(statistics.mean(firsts[b]), 2),
+                "first_max": round(max(firsts[b]), 2),
+                "median": round(statistics.median(ks), 3)}
+            for b, ks in sorted(kernels.items()) if b in firsts},
+    }
 
 
 LONGEST = 8  # how many of the longest cases `phases` lists

@@ -472,8 +472,10 @@ def check_item(item: Item, state: _State, node: pytest.Item) -> None:
         verdict = Verdict(item.case.id, item.backend, item.case.op, CRASH, f"device error: {e}")
         state.device_poisoned = item.case.id
     record = verdict.to_dict()
+    # when and in which worker it ran: a run's timeline (benchmarks/suite_throughput.py)
     record.update(nodeid=node.nodeid, wall=time.time() - start, device=state.device,
-                  backend_spec=item.backend)
+                  backend_spec=item.backend, started=start,
+                  worker=os.environ.get("PYTEST_XDIST_WORKER", "main"))
     state.write(record)
     node.stash[_RECORDED] = True
     node.user_properties.append((STATUS_PROPERTY, verdict.status))  # for the controller
