@@ -183,7 +183,7 @@ choose_backends() {
 # summary.txt/.md. Sets MATRIX_RC to the gate's exit code (README "Exit codes": 0 pass,
 # 1 FAIL/CRASH/XPASS, 3 suite error, 5 nothing selected, 6 not enough ran) or 2 when mlacheck
 # could not run at all (bad environment or usage, no verdicts).
-# Knobs read: MATRIX, WORKERS, MARKERS, SHARD, TIMEOUT, REQUIRE_OPS, MIN_EXECUTED, ALLOW_XPASS;
+# Knobs read: MATRIX, WORKERS, MARKERS, SHARD, MERGE, TIMEOUT, REQUIRE_OPS, MIN_EXECUTED, ALLOW_XPASS;
 # uses MODE, RUN_BACKENDS, NOTES, UNUSABLE.
 run_matrix() {
     local out=$1 title=$2
@@ -209,6 +209,17 @@ run_matrix() {
     args+=("${backend_args[@]}")
     if [[ -n ${MARKERS:-} ]]; then args+=(-m "$MARKERS"); fi
     if [[ -n ${SHARD:-} ]]; then args+=(--shard "$SHARD"); fi
+    local whole=()
+    if [[ -n ${MERGE:-} ]]; then
+        # the shards' results instead of a run: each word a file or a glob (a glob that
+        # matches nothing stays as it is: merge names it as missing)
+        local word files=()
+        for word in $MERGE; do
+            mapfile -t -O "${#files[@]}" files < <(compgen -G "$word" || printf '%s\n' "$word")
+        done
+        args=(merge "${files[@]}" --results "$out/results.jsonl" --no-report "${policy[@]}")
+        backend_args=() whole=(--shards)
+    fi
     say "running: mlacheck ${args[*]}"
     local rc=0
     "${MLA[@]}" "${args[@]}" 2>&1 | tee "$out/run.log" || rc=${PIPESTATUS[0]}
@@ -247,7 +258,7 @@ run_matrix() {
     local src_note=(--note "matrix $src; artifacts in $out")
     local src_rc=0
     "${CI_PY[@]}" summary "$out/results.jsonl" --title "$title" --md "$out/summary.md" \
-        "${src_note[@]}" "${notes[@]}" "${backend_args[@]}" "${policy[@]}" \
+        "${src_note[@]}" "${notes[@]}" "${backend_args[@]}" "${policy[@]}" "${whole[@]}" \
         >"$out/summary.txt" || src_rc=$?
     # mlacheck run's exit code is the gate's; the summary re-derives it from the file.
     MATRIX_RC=$rc

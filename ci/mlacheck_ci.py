@@ -1,7 +1,7 @@
 """Helpers for the CI scripts (ci/premerge.sh, ci/nightly.sh): what is awkward in shell.
 
     python3 ci/mlacheck_ci.py summary RESULTS [--md FILE] [--title T] [--note LINE ...]
-            [--backend B ...] [--require-ops OPS] [--min-executed F] [--allow-xpass]
+            [--backend B ...] [--require-ops OPS] [--min-executed F] [--allow-xpass] [--shards]
         One screen of a results file: totals, counts per backend x op x status, the failures
         one line each (status, backend, op, case, reason and where), the biggest SKIP groups,
         and the gate's result. Exit: the gate's code (mlacheck.outcome, README "Exit codes":
@@ -183,8 +183,14 @@ def cmd_summary(args: argparse.Namespace) -> int:
         return _error(f"no verdicts in {path} (the run recorded nothing)")
     ops = tuple(o.strip() for o in args.require_ops.split(",") if o.strip())
     names = [resolve(b).name for b in split_backends(args.backend)]
+    incomplete = []
+    if args.shards:  # a merged file: every shard of its run must be in it
+        from mlacheck import merge, shard
+
+        incomplete = shard.join([merge.shard_file(path)]).problems
+        names = names or merge.header_backends(path)
     outcome = gate_outcome(path, names,
-                           CoveragePolicy(ops, args.min_executed, args.allow_xpass))
+                           CoveragePolicy(ops, args.min_executed, args.allow_xpass), incomplete)
     notes = [*(args.note or []), *run_notes(path)]
     screen, md, code = render_summary(loaded.verdicts, loaded.skipped, args.title, notes,
                                       outcome, loaded.expected, loaded.missing)
@@ -403,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--require-ops", default="")
     s.add_argument("--min-executed", type=float, default=0.0)
     s.add_argument("--allow-xpass", action="store_true")
+    s.add_argument("--shards", action="store_true",
+                   help="RESULTS is merged shards (mlacheck merge): a missing one is INCOMPLETE")
     pl = sub.add_parser("plan")
     pl.add_argument("listing")
     pl.add_argument("--platform", required=True, choices=("rocm", "cuda", "none"))

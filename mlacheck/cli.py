@@ -111,6 +111,14 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     results = check_output_file(args.results, "results file")
     if args.junit:
         check_output_file(args.junit, "JUnit XML file")
+    unusable = _unusable(backends, name_of)
+    if unusable:  # a requested backend is required: the run does not start without it
+        from mlacheck.outcome import decide
+
+        out = decide([], unusable=unusable)
+        for line in out.lines:
+            print(f"mlacheck: not run: {line}", file=sys.stderr)
+        return out.code
     leave_out = None
     if args.resume:
         results_file.check_resumable(results)
@@ -191,6 +199,19 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
 
         report_main([str(results), "-o", str(results.parent)])
     return code
+
+
+def _unusable(backends: list[str], name_of: dict[str, str]) -> dict[str, str]:
+    """{name: why} of the requested backends that are not usable here (mlacheck list's
+    verdict: the library is missing, its API does not fit, its probe failed)."""
+    from mlacheck.inventory import backend_status
+
+    found = {}
+    for spec in backends:
+        status = backend_status(spec)
+        if not status.usable:
+            found[name_of[spec]] = status.reason or "not usable"
+    return found
 
 
 def _has_verdicts(path: Path) -> bool:
@@ -475,6 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="precision of the reference (default fp32; fp64 is slower)")
 
     sub.add_parser("report", help="markdown + HTML report from results.jsonl", add_help=False)
+    sub.add_parser("merge", help="the shards of a split run (run --shard K/N) as one run: "
+                                 "one results file, one report, one exit code", add_help=False)
     sub.add_parser("gate", help="end-to-end accuracy gates: gate TASK run|compare|promote "
                                 "(lm-eval tasks, gsm8k first)", add_help=False)
     sub.add_parser("selftest", help="prove the suite catches every known bug class", add_help=False)
@@ -484,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     delegated = {"report": "mlacheck.report:main", "gate": "mlacheck.gate.cli:main",
-                 "selftest": "mlacheck.selftest:main"}
+                 "selftest": "mlacheck.selftest:main", "merge": "mlacheck.merge:main"}
     if argv and argv[0] in delegated:
         import importlib
 

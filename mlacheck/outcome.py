@@ -11,7 +11,7 @@ its own code so a CI job can tell a kernel bug from a broken environment.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mlacheck import verdict
@@ -106,11 +106,16 @@ def coverage_table(items: Iterable[Item]) -> dict[tuple[str, str], Coverage]:
 
 def decide(items: Sequence[Item], *, requested_backends: Sequence[str] = (),
            expected: Collection[tuple[str, str]] = (),
-           policy: CoveragePolicy = CoveragePolicy()) -> Outcome:
+           policy: CoveragePolicy = CoveragePolicy(),
+           unusable: Mapping[str, str] | None = None,
+           incomplete: Sequence[str] = ()) -> Outcome:
     """The exit code and its reasons. `items`: one per (backend, case), latest verdict;
     `expected`: the (backend name, case id) items the run(s) meant to run (empty: unknown).
     Missing is a set difference, not a count: verdicts for items outside `expected` (from
-    another run over the same file) must not stand in for missing ones."""
+    another run over the same file) must not stand in for missing ones. `unusable`: required
+    backends that are not usable here, with why (the run did not start them); `incomplete`:
+    why the results do not cover the whole run beyond missing items (a shard of a split run
+    missing or from another run: mlacheck.shard.join). Each is not enough ran (6)."""
     counts = Counter(it.bucket for it in items)
     cov = coverage_table(items)
     lines: list[str] = []
@@ -153,6 +158,8 @@ def decide(items: Sequence[Item], *, requested_backends: Sequence[str] = (),
             if op in ops and c.total and c.executed / c.total < policy.min_executed:
                 short.append(f"backend {b} {op}: executed {c.executed} of {c.total} "
                              f"({c.executed / c.total:.0%} < --min-executed {policy.min_executed:.0%})")
+    short += [f"backend {b} is not usable here: {why}" for b, why in (unusable or {}).items()]
+    short += list(incomplete)
     missing = set(expected) - {(it.backend, it.case_id) for it in items}
     recorded = len(set(expected)) - len(missing)
     if missing:

@@ -774,9 +774,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = out.code
 
 
-def gate_outcome(path: Path, requested_backends: list[str], policy: CoveragePolicy) -> Outcome:
+def gate_outcome(path: Path, requested_backends: list[str], policy: CoveragePolicy,
+                 incomplete: list[str] | None = None) -> Outcome:
     """The gate decision for a results file (every line in it, before a --resume included).
-    `requested_backends`: the backends' names (Backend.name, as verdicts record them)."""
+    `requested_backends`: the backends' names (Backend.name, as verdicts record them);
+    `incomplete`: why the file is not the whole run (outcome.decide)."""
     from mlacheck.outcome import Item as Counted
     from mlacheck.outcome import decide
 
@@ -786,7 +788,7 @@ def gate_outcome(path: Path, requested_backends: list[str], policy: CoveragePoli
                      bool(r.get("known_failure")))
              for r in results_file.latest_per_item(raw.records)]
     return decide(items, requested_backends=requested_backends, expected=raw.expected,
-                  policy=policy)
+                  policy=policy, incomplete=incomplete or ())
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

@@ -108,6 +108,15 @@ def test_shards_run_the_matrix_once_between_them(tmp_path: Path) -> None:
         seen += [x["case_id"] for x in recs]
     assert len(keys) == 1  # one run
     assert sorted(seen) == sorted(x["case_id"] for x in all_recs)  # each item exactly once
+    merged = tmp_path / "merged" / "results.jsonl"
+    shards = [str(tmp_path / f"shard{k}.jsonl") for k in (1, 2, 3)]
+    r = mlacheck("merge", *shards, "--results", str(merged))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "3 of 3 file(s) merged" in r.stdout and "6 of 6 item(s) with a verdict" in r.stdout
+    assert sorted(x["case_id"] for x in _lines(merged)[1]) == sorted(seen)
+    assert (merged.parent / "report.html").is_file()
+    r = mlacheck("merge", shards[0], shards[2], "--results", str(merged))
+    assert r.returncode == 6 and "INCOMPLETE: shard(s) 2/3 missing" in r.stdout
 
 
 def test_a_resumed_shard_keeps_its_cases(tmp_path: Path) -> None:
@@ -149,3 +158,77 @@ def test_join_finds_the_missing_and_the_foreign_shards() -> None:
     assert plain.members == ["a"] and plain.problems == [
         "p is not a shard (no --shard run header): left out"]
     assert shard.join([]).problems == ["no shard of a split run among the files"]
+
+
+# --------------------------------------------------------------------------- merge
+
+
+def _write_run(path: Path, items: list[tuple[str, str, str, bool]], shard_of: str = "",
+               key: str = "") -> None:
+    """A results file: a header naming `items` (backend, case, status, known), their lines."""
+    from mlacheck import results
+
+    header = results.new_header([(b, c) for b, c, _, _ in items], sorted({b for b, *_ in items}),
+                                "six", "cpu", 1, shard_of, key)
+    path.write_text(header.to_line() + "".join(
+        json.dumps({"case_id": c, "backend": b, "op": "mla_decode", "status": s,
+                    "known_failure": "a documented finding" if k else ""}) + "\n"
+        for b, c, s, k in items))
+
+
+@pytest.mark.parametrize("statuses, code", [
+    (["PASS"] * 6, 0),
+    (["PASS", "PASS", "FAIL", "PASS", "SKIP", "PASS"], 1),  # a FAIL in one shard
+    (["PASS", ("FAIL", True), "PASS", "PASS", "PASS", "SKIP"], 0),  # a KNOWN failure
+    (["PASS", "PASS", "PASS", ("PASS", True), "PASS", "PASS"], 1),  # a strict XPASS
+    (["PASS", "ERROR", "PASS", "PASS", "PASS", "PASS"], 3),
+], ids=["pass", "fail", "known", "xpass", "suite-error"])
+def test_merged_shards_exit_as_the_single_run(tmp_path: Path, statuses: list, code: int) -> None:
+    from mlacheck import merge
+    from mlacheck.outcome import CoveragePolicy
+    from mlacheck.pytest_plugin import gate_outcome
+
+    items = [("torch", f"case{i}", *(s if isinstance(s, tuple) else (s, False)))
+             for i, s in enumerate(statuses)]
+    single = tmp_path / "single.jsonl"
+    _write_run(single, items)
+    assert gate_outcome(single, ["torch"], CoveragePolicy()).code == code
+    shards = [tmp_path / f"s{k}.jsonl" for k in (1, 2, 3)]
+    for k, path in enumerate(shards):
+        _write_run(path, items[2 * k: 2 * k + 2], f"{k + 1}/3", "run-a")
+    out = tmp_path / "merged" / "results.jsonl"
+    assert merge.main([*map(str, shards), "--results", str(out), "--no-report"]) == code
+    merged = json.loads(json.dumps([x for x in _lines(out)[1]]))
+    assert sorted(x["case_id"] for x in merged) == [c for _, c, _, _ in items]
+    # a shard missing: as a single run that stopped before its items: INCOMPLETE (6), unless a
+    # failure on record wins
+    stopped = tmp_path / "stopped.jsonl"
+    _write_run(stopped, items)
+    kept = [line for line in stopped.read_text().splitlines()
+            if '"case2"' not in line and '"case3"' not in line or "mlacheck_results" in line]
+    stopped.write_text("\n".join(kept) + "\n")
+    single_code = gate_outcome(stopped, ["torch"], CoveragePolicy()).code
+    assert single_code in (1, 3, 6)
+    assert merge.main([str(shards[0]), str(shards[2]), "--results", str(out),
+                       "--no-report"]) == single_code
+
+
+def test_merge_names_missing_and_foreign_shards(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from mlacheck import merge
+
+    items = [("torch", f"case{i}", "PASS", False) for i in range(4)]
+    a, b, other = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "other.jsonl"
+    _write_run(a, items[:2], "1/2", "run-a")
+    _write_run(b, items[2:], "2/2", "run-a")
+    _write_run(other, items[2:], "2/2", "run-b")  # the same shard of another run
+    out = tmp_path / "m.jsonl"
+    assert merge.main([str(a), str(b), "--results", str(out), "--no-report"]) == 0
+    assert merge.main([str(a), str(other), "--results", str(out), "--no-report"]) == 6
+    text = capsys.readouterr().out
+    assert "is a shard of another run (run key run-b, not run-a): left out" in text
+    assert "INCOMPLETE: shard(s) 2/2 missing (1 of 2 merged)" in text
+    assert merge.main([str(a), str(tmp_path / "gone.jsonl"), "--results", str(out),
+                       "--no-report"]) == 6
+    assert "gone.jsonl: no such results file" in capsys.readouterr().out
+    assert merge.main([str(a), "--results", str(a)]) == 2  # never over its own input
