@@ -157,13 +157,18 @@ answer(torch.cuda.device_count() if torch.cuda.is_available() else 0)') || GPU_C
 choose_backends() {
     local dir=$1
     RUN_BACKENDS=() NOTES=() UNUSABLE=()
-    if [[ $MODE == cpu && -z ${BACKENDS:-} ]]; then return 0; fi
-    local listing=$dir/backends.json plan=$dir/backends.plan platform=$PLATFORM
+    # MERGE: the shards' results are joined, nothing runs here (their headers name the backends)
+    if [[ -n ${MERGE:-} || ($MODE == cpu && -z ${BACKENDS:-}) ]]; then return 0; fi
+    local listing=$dir/backends.json plan=$dir/backends.plan platform=$PLATFORM names
     mkdir -p "$dir"
-    say "asking mlacheck list --json which backends are usable here"
-    "${MLA[@]}" list --json >"$listing" 2>"$dir/backends.log" ||
-        die "mlacheck list --json failed (exit $?; see $dir/backends.log)"
     if [[ $MODE == cpu ]]; then platform=none; fi
+    names=$("${CI_PY[@]}" candidates --platform "$platform" --backends "${BACKENDS:-}") ||
+        die "cannot list the candidate backends"
+    say "asking mlacheck list --json which of $names are usable here"
+    local b asked=()
+    for b in $names; do asked+=(-b "$b"); done
+    "${MLA[@]}" list --json "${asked[@]}" >"$listing" 2>"$dir/backends.log" ||
+        die "mlacheck list --json failed (exit $?; see $dir/backends.log)"
     local why
     why=$("${CI_PY[@]}" plan "$listing" --platform "$platform" --out "$plan" \
         --backends "${BACKENDS:-}" --optional "${OPTIONAL_BACKENDS:-}" 2>&1) ||
@@ -252,7 +257,11 @@ run_matrix() {
         say "warning: mlacheck report failed (see $out/report.log)"
     local notes=() n src=${MATRIX##*/}
     src=${src%.yaml}
-    if [[ ${#RUN_BACKENDS[@]} -eq 0 ]]; then src="$src, embedded default backends"; fi
+    if [[ -n ${MERGE:-} ]]; then
+        src="the merged shards ${MERGE}"
+    elif [[ ${#RUN_BACKENDS[@]} -eq 0 ]]; then
+        src="$src, embedded default backends"
+    fi
     for n in "${NOTES[@]}"; do notes+=(--note "$n"); done
     # device and worker count: the summary reads them from the results file's run header
     local src_note=(--note "matrix $src; artifacts in $out")

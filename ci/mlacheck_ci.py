@@ -15,6 +15,9 @@
         optional ones; an optional backend runs when usable, else the summary says so at its
         top. FILE gets TAB-separated lines: `run NAME`, `note TEXT`, `unusable NAME WHY`.
         Exit 0, or 2 (one line) for a listing that is not mlacheck's or a bad knob.
+    python3 ci/mlacheck_ci.py candidates --platform rocm|cuda|none [--backends "A B"]
+        The names `plan` would choose from, space-separated (what `mlacheck list --json -b`
+        is asked about).
     python3 ci/mlacheck_ci.py wait-server URL MODEL [--timeout S] [--interval S] [--pid PID]
         Until the OpenAI-compatible server at URL answers a 1-token completion for MODEL
         (mlacheck's own gate preflight). --timeout 0: ask once. --pid: give up as soon as
@@ -220,6 +223,12 @@ def _names(text: str | None) -> list[str]:
     return list(dict.fromkeys((text or "").replace(",", " ").split()))
 
 
+def candidates(platform: str, backends: str | None) -> list[str]:
+    """The backends a job would run: BACKENDS as given, else the platform's (CPU: none, i.e.
+    mlacheck's embedded default)."""
+    return _names(backends) or list(PLATFORM_BACKENDS.get(platform, ((), ()))[0])
+
+
 def plan_backends(listing: dict, platform: str, backends: str | None,
                   optional: str | None) -> tuple[list[str], list[str], list[tuple[str, str]]]:
     """(backends to run, notes for the top of the summary, required ones not usable with
@@ -229,8 +238,8 @@ def plan_backends(listing: dict, platform: str, backends: str | None,
     if not isinstance(listing, dict) or SCHEMA_KEY not in listing:
         raise ValueError("the backend listing is not `mlacheck list --json` output")
     status = {b["name"]: b for b in listing.get("backends", [])}
-    default, default_optional = PLATFORM_BACKENDS.get(platform, ((), ()))
-    chosen = _names(backends) or list(default)
+    default_optional = PLATFORM_BACKENDS.get(platform, ((), ()))[1]
+    chosen = candidates(platform, backends)
     if not chosen:
         return [], [], []
     opt = _names(optional) if _names(optional) else ([] if _names(backends) else
@@ -269,6 +278,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     lines = [f"run\t{n}" for n in run] + [f"note\t{_one(n)}" for n in notes]
     lines += [f"unusable\t{n}\t{_one(why)}" for n, why in unusable]
     Path(args.out).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return EXIT_OK
+
+
+def cmd_candidates(args: argparse.Namespace) -> int:
+    print(" ".join(candidates(args.platform, args.backends)))
     return EXIT_OK
 
 
@@ -417,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", required=True)
     pl.add_argument("--backends", default="")
     pl.add_argument("--optional", default="")
+    ca = sub.add_parser("candidates")
+    ca.add_argument("--platform", required=True, choices=("rocm", "cuda", "none"))
+    ca.add_argument("--backends", default="")
     w = sub.add_parser("wait-server")
     w.add_argument("url")
     w.add_argument("model")
@@ -439,6 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {
         "summary": cmd_summary,
         "plan": cmd_plan,
+        "candidates": cmd_candidates,
         "wait-server": cmd_wait_server,
         "baseline": cmd_baseline,
         "combine": cmd_combine,

@@ -280,9 +280,11 @@ def cmd_list(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.json:
         from mlacheck.processes import machine_stdout
+        from mlacheck.pytest_plugin import split_backends
 
         with machine_stdout() as out:  # what libraries print while probed goes to stderr
-            out.write(json.dumps(inventory.listing(), indent=1) + "\n")
+            out.write(json.dumps(inventory.listing(split_backends(args.backend)), indent=1)
+                      + "\n")
         return EXIT_OK
     from mlacheck.backends.faults import PREFIX
 
@@ -479,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "usable / reason / version / capabilities, the matrices with their case "
                          "counts, the platform; what libraries print while imported goes to "
                          "stderr")
+    ls.add_argument("--backend", "-b", action="append",
+                    help="with --json: only these backends (repeatable or comma-separated), "
+                         "and no matrices: what a CI job checks before it runs")
 
     rp = sub.add_parser("replay", help="re-run exactly one case and print the full verdict",
                         description="Re-run one case (by id, from a case.json, or from the "

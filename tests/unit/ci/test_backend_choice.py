@@ -107,6 +107,12 @@ def test_list_json_is_one_document_whatever_a_library_prints(noisy_site: Path) -
     assert {"name": "smoke", "cases": 51} in doc["matrices"]
     assert doc["platform"]["torch_build"] in ("cpu", "cuda", "rocm")
     assert doc[mlacheck_ci_schema_key()] == 1
+    # what a CI job asks: only its backends, no matrices (seconds, not a matrix expansion)
+    asked = _mlacheck("list", "--json", "-b", "noisy,torch", "-b", "noisy-gone",
+                      env=_env(noisy_site))
+    doc = json.loads(asked.stdout)
+    assert [b["name"] for b in doc["backends"]] == ["noisy", "torch", "noisy-gone"]
+    assert "matrices" not in doc and NOISE[0] in asked.stderr
     # the human listing is where the noise lands among the backends (the old parse's trap)
     human = _mlacheck("list", env=_env(noisy_site)).stdout.splitlines()
     noise_at = human.index(NOISE[0])

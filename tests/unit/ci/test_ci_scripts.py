@@ -62,7 +62,7 @@ def _has_gpu() -> bool:
 
 
 def run_script(
-    name: str, env: Mapping[str, str], tmp_path: Path, timeout: float = 240
+    name: str, env: Mapping[str, str], tmp_path: Path, timeout: float = 480
 ) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if k not in KNOBS}
     full.update(
