@@ -1,4 +1,5 @@
-"""Environment checks made before any case runs: the device and the output paths.
+"""Environment checks made before any case runs (the device and the output paths), and what
+the run header records about the environment (software versions, the machine).
 
 A bad device string, a GPU torch cannot see, or an output file that cannot be written is a
 usage/environment error: one line, before the first case, never a CRASH charged to a kernel
@@ -8,6 +9,7 @@ exit code 2; the pytest plugin into pytest's usage error (exit 4).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 KNOWN_DEVICE_TYPES = ("cpu", "cuda")  # ROCm GPUs are "cuda" to torch
@@ -76,3 +78,70 @@ def check_output_file(path: str | Path, what: str) -> Path:
     if not existed:
         p.unlink()
     return p
+
+
+# --------------------------------------------------------------------------- what ran
+
+
+def software_versions() -> dict[str, str]:
+    """mlacheck's version (and the checkout's commit when run from one), torch's and
+    Python's, without importing torch (the xdist controller never does)."""
+    import platform
+    from importlib import metadata
+
+    import mlacheck
+
+    out = {"mlacheck": mlacheck.__version__}
+    commit = _checkout_commit(Path(mlacheck.__file__).resolve().parent.parent)
+    if commit:
+        out["mlacheck"] += f" ({commit})"
+    try:
+        out["torch"] = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        out["torch"] = "not installed"
+    out["python"] = platform.python_version()
+    return out
+
+
+def _checkout_commit(root: Path) -> str:
+    """The short commit of the git checkout mlacheck is imported from ('' if none)."""
+    import subprocess
+
+    if not (root / ".git").exists():
+        return ""
+    try:
+        done = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def describe_machine(device: str) -> dict[str, str]:
+    """The host, its CPU and (on a GPU run) the GPU's model, read from /proc and /sys (no
+    torch, no device context): what the report's header names."""
+    import platform
+
+    out = {"host": platform.node()}
+    cpu = _first_value(Path("/proc/cpuinfo"), "model name")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    out["cpu"] = f"{cpu or platform.machine()}, {cores} core(s)"
+    if not device.startswith("cpu"):
+        nv = Path("/proc/driver/nvidia/gpus")
+        models = [_first_value(g / "information", "Model") for g in sorted(nv.iterdir())] \
+            if nv.is_dir() else []
+        if models:
+            out["gpu"] = f"{len(models)} x {models[0]}"
+    return out
+
+
+def _first_value(path: Path, key: str) -> str:
+    """The value of the first `key: value` line of a /proc-style file ('' if none)."""
+    try:
+        for line in path.read_text(errors="replace").splitlines():
+            name, sep, value = line.partition(":")
+            if sep and name.strip() == key:
+                return " ".join(value.split())
+    except OSError:
+        pass
+    return ""

@@ -24,6 +24,8 @@ class Progress:
     # passed / failed / crashed / error / skipped / known (a CRASH is counted apart from a
     # FAIL: a refused or aborted call is another finding than a wrong number)
     outcomes: Counter[str] = field(default_factory=Counter)
+    # time.monotonic() at the session's start (the plugin passes it): the elapsed seconds of
+    # a progress line are on the clock pytest's duration and the report's wall time use
     started: float = field(default_factory=time.monotonic)
     _last_fraction: float = 0.0
     _last_time: float = field(default_factory=time.monotonic)

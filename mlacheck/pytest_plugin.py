@@ -224,6 +224,7 @@ class _State:
         self.matrix_case_ids: list[str] = []
         self.gpu_dir: Path | None = None  # controller: where workers publish their GPU
         self._matrix: Any = None
+        self._started = time.time()  # this session's start (pytest_sessionstart resets it)
 
     @property
     def backend_names(self) -> list[str]:
@@ -331,7 +332,8 @@ class _State:
         expected = [(self.backend(it.backend).name, it.case.id) for it in self.selected]
         header = results_file.new_header(expected, self.backend_names,
                                          getattr(self, "matrix_name", ""), self.device,
-                                         self.workers, *self.shard_record())
+                                         self.workers, *self.shard_record(),
+                                         started=self.started)
         results_file.append_line(self.results, header.to_line())
 
     @property
@@ -373,6 +375,15 @@ class _State:
         return shard.units_of(sh, costs)
 
     @property
+    def started(self) -> float:
+        """The run's one clock: the session's start as pytest's terminal reporter took it
+        (pytest's `in N s` counts from it), else this plugin's own session start. The results
+        header (the report's wall time) and the progress lines count from it."""
+        tr = self.config.pluginmanager.get_plugin("terminalreporter")
+        own = getattr(getattr(tr, "_session_start", None), "time", None)
+        return float(own) if isinstance(own, int | float) else self._started
+
+    @property
     def workers(self) -> int:
         """Processes running items: xdist's workers, or this one."""
         n = getattr(self.config.option, "numprocesses", None)
@@ -412,8 +423,10 @@ class _State:
         if self._progress is None:
             from collections import Counter
 
+            since = time.time() - self.started  # the same start on Progress's clock
             self._progress = Progress(Counter((it.backend, it.case.op)
-                                              for it in self.selected or self.items()))
+                                              for it in self.selected or self.items()),
+                                      started=time.monotonic() - since)
         return self._progress
 
     @property
@@ -584,6 +597,9 @@ _CONFIG: dict[str, pytest.Config] = {}
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
     _CONFIG["config"] = session.config
+    state = session.config.stash.get(_STATE, None)
+    if state is not None:
+        state._started = time.time()
     if not is_worker(session.config) and _runs_the_suite(session.config):
         _quiet_xdist_status(session.config)
 

@@ -24,6 +24,7 @@ from mlacheck.verdict import is_suite_error
 # backend as its verdicts do (Backend.name); 1 named it as requested (a spec: `pkg.mod:factory`).
 SCHEMA = 2
 HEADER_KEY = "mlacheck_results"
+WRITTEN_KEY = "written"  # a verdict line's time stamp (append_record)
 
 ItemKey = tuple[str, str]  # (backend, case id)
 
@@ -45,11 +46,15 @@ class RunHeader:
     workers: int = 0  # processes that ran items (xdist workers, or 1); 0: not recorded
     shard: str = ""  # "K/N" when this invocation ran one shard (mlacheck.shard), else ""
     run_key: str = ""  # which split run the shard belongs to (mlacheck.shard.run_key)
+    # What ran it, for the report's header: mlacheck's, torch's and Python's versions, the
+    # host and the device's model name ({} in files written before they were recorded).
+    software: dict[str, str] = field(default_factory=dict)
+    machine: dict[str, str] = field(default_factory=dict)
 
     def to_line(self) -> str:
         run = {"expected": [list(k) for k in self.expected], "backends": list(self.backends),
                "matrix": self.matrix, "device": self.device, "started": self.started,
-               "workers": self.workers}
+               "workers": self.workers, "software": self.software, "machine": self.machine}
         if self.shard:
             run.update(shard=self.shard, run_key=self.run_key)
         return json.dumps({HEADER_KEY: self.schema, "run": run}, sort_keys=True) + "\n"
@@ -62,13 +67,25 @@ class RunHeader:
                    tuple(run.get("backends", [])), str(run.get("matrix", "")),
                    str(run.get("device", "")), float(run.get("started", 0.0)),
                    schema if isinstance(schema, int) else 1, int(run.get("workers") or 0),
-                   str(run.get("shard", "")), str(run.get("run_key", "")))
+                   str(run.get("shard", "")), str(run.get("run_key", "")),
+                   _strings(run.get("software")), _strings(run.get("machine")))
+
+
+def _strings(d: object) -> dict[str, str]:
+    return {str(k): str(v) for k, v in d.items()} if isinstance(d, dict) else {}
 
 
 def new_header(expected: list[ItemKey], backends: list[str], matrix: str, device: str,
-               workers: int = 0, shard: str = "", run_key: str = "") -> RunHeader:
-    return RunHeader(tuple(expected), tuple(backends), matrix, device, time.time(),
-                     workers=workers, shard=shard, run_key=run_key)
+               workers: int = 0, shard: str = "", run_key: str = "",
+               started: float | None = None) -> RunHeader:
+    """`started`: when the run began (the session's start: the one clock that progress lines
+    and the report's wall time count from); default now."""
+    from mlacheck.preflight import describe_machine, software_versions
+
+    return RunHeader(tuple(expected), tuple(backends), matrix, device,
+                     time.time() if started is None else started, workers=workers,
+                     shard=shard, run_key=run_key, software=software_versions(),
+                     machine=describe_machine(device))
 
 
 def is_header(d: object) -> bool:
@@ -87,7 +104,10 @@ def append_line(path: Path, line: str) -> None:
 
 
 def append_record(path: Path, record: dict[str, Any]) -> None:
-    append_line(path, json.dumps(record, default=str, sort_keys=True) + "\n")
+    """One verdict line, stamped with when it was written (`written`, seconds since the
+    epoch): the report's wall time is the last stamp minus the run header's start."""
+    stamped = {WRITTEN_KEY: round(time.time(), 3), **record}
+    append_line(path, json.dumps(stamped, default=str, sort_keys=True) + "\n")
 
 
 def repair_torn_tail(path: Path) -> int:
@@ -130,6 +150,25 @@ class RawResults:
     @property
     def written_by_mlacheck(self) -> bool:
         return bool(self.headers)
+
+    @property
+    def wall_s(self) -> float | None:
+        """Wall-clock seconds the runs over this file took: per run header, from its start to
+        the last verdict line written before the next run began, summed (a `--resume` adds
+        its own span, not the pause between the runs). None when the file does not say
+        (no header start, no stamped line: files of older mlacheck versions)."""
+        starts = sorted(h.started for h in self.headers if h.started > 0)
+        stamps = sorted(float(w) for r in self.records
+                        if isinstance(w := r.get(WRITTEN_KEY), int | float))
+        if not starts or not stamps:
+            return None
+        total, found = 0.0, False
+        for i, start in enumerate(starts):
+            end = starts[i + 1] if i + 1 < len(starts) else float("inf")
+            inside = [t for t in stamps if start <= t < end]
+            if inside:
+                total, found = total + inside[-1] - start, True
+        return total if found else None
 
 
 def read_raw(path: str | Path) -> RawResults:

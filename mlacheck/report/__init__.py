@@ -1,7 +1,7 @@
 """Reports of a run: results file (JSON lines of verdicts) -> markdown + self-contained HTML.
 
 load_results -> summarise -> write_markdown / write_html; `main` is `mlacheck report`.
-Plots need matplotlib (the `report` extra); without it the reports are written without plots.
+Plots are inline SVG drawn with the standard library (report/plots.py): no extra install.
 """
 
 from mlacheck.report.cli import main

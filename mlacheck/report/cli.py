@@ -12,7 +12,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from mlacheck.report import plots
 from mlacheck.report.load import read_results, skipped_message
 from mlacheck.report.render_html import write_html
 from mlacheck.report.render_md import write_markdown
@@ -58,25 +57,15 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"mlacheck report: warning: {skipped_message(path, loaded.bad_lines)}", file=sys.stderr
         )
-    if not plots.available():
-        print(f"mlacheck report: note: {plots.plot_note()}", file=sys.stderr)
     outdir: Path = args.outdir if args.outdir is not None else path.parent
-    title = f"mlacheck report: {path.name}"
     try:
         outdir.mkdir(parents=True, exist_ok=True)
         run = {"expected": loaded.expected, "superseded": loaded.superseded,
-               "missing": loaded.missing}
-        md = write_markdown(
-            loaded.verdicts, outdir / "report.md", unparsable=loaded.skipped, title=title, **run
-        )
-        html = write_html(
-            loaded.verdicts,
-            outdir / "report.html",
-            unparsable=loaded.skipped,
-            title=title,
-            source=str(path),
-            **run,
-        )
+               "missing": loaded.missing, "headers": loaded.headers, "wall_s": loaded.wall_s}
+        md = write_markdown(loaded.verdicts, outdir / "report.md", unparsable=loaded.skipped,
+                            **run)
+        html = write_html(loaded.verdicts, outdir / "report.html", unparsable=loaded.skipped,
+                          source=str(path), **run)
     except OSError as e:
         print(f"mlacheck report: error: cannot write the report: {e}", file=sys.stderr)
         return 1

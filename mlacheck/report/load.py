@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlacheck.results import latest_per_item, read_raw
+from mlacheck.results import RunHeader, latest_per_item, read_raw
 from mlacheck.verdict import Verdict
 
 
@@ -24,6 +24,8 @@ class Loaded:
     expected: int = 0  # items the run header(s) said would run (0: no header, unknown)
     missing: int = 0  # of those, the items without a verdict line
     superseded: int = 0  # verdict lines replaced by a later line for the same item
+    headers: list[RunHeader] = field(default_factory=list)  # one per run over the file
+    wall_s: float | None = None  # wall-clock time of the runs (None: the file does not say)
 
     @property
     def skipped(self) -> int:
@@ -64,7 +66,7 @@ def read_results(path: str | Path) -> Loaded:
     same items counts once), the numbers of the lines skipped, and what the run expected."""
     raw = read_raw(path)
     out = Loaded(bad_lines=list(raw.bad_lines), expected=len(raw.expected),
-                 missing=len(raw.missing))
+                 missing=len(raw.missing), headers=list(raw.headers), wall_s=raw.wall_s)
     latest = latest_per_item(raw.records)
     out.superseded = len(raw.records) - len(latest)
     for d in latest:

@@ -1,20 +1,23 @@
-"""The HTML report: one self-contained file (inline CSS, plots as base64 PNG, no URLs).
+"""The HTML report: one self-contained file (inline CSS, plots as inline SVG, no URLs).
 
-Failures come first, each with its where-messages and, when the verdict carries one, an error
-heat map (token x head). Then totals, skip reasons, error distributions, timings and the table
-of every case (PASS rows folded away so 2000 cases stay readable).
+The header says what ran (matrix, backends with versions, machine, software, date, wall time)
+and the headline with executed vs skipped per backend x op. Failures come next, each with its
+where-messages and, when the verdict carries one, an error heat map (token x head). Then
+totals, skip reasons, error distributions, timings and the table of every case (PASS rows
+folded away so 2000 cases stay readable).
 """
 
 from __future__ import annotations
 
-import base64
 import json
+from collections.abc import Sequence
 from html import escape
 from pathlib import Path
 
 from mlacheck.report import plots
-from mlacheck.report.render_md import warnings_of
+from mlacheck.report.render_md import time_note, title_of, warnings_of
 from mlacheck.report.summary import Failure, Summary, ratio, summarise
+from mlacheck.results import RunHeader
 from mlacheck.verdict import (
     BUCKETS,
     CRASH,
@@ -28,7 +31,7 @@ from mlacheck.verdict import (
     noteworthy,
 )
 
-MAX_HEATMAPS = 40  # heat maps embedded (each ~30-60 kB); later failures get text only
+MAX_HEATMAPS = 40  # heat maps embedded (each ~5-40 kB of SVG); later failures get text only
 MAX_WHERE = 40  # where-messages listed per failure
 ROW_ORDER = {FAIL: 0, CRASH: 1, ERROR: 2, XPASS: 3, KNOWN: 4, SKIP: 5, PASS: 6}
 
@@ -43,8 +46,11 @@ h1{font-size:20px;margin:0 0 4px}
 h2{font-size:17px;margin:28px 0 10px;padding-bottom:4px;border-bottom:2px solid #e3e3e3}
 h3{font-size:14px;margin:0 0 6px;word-break:break-all}
 .src{color:#666;font-size:12px}
+.facts{color:#444;font-size:12px;margin:2px 0}
 .headline{font-size:16px;font-weight:600;margin:10px 0 6px}
 .headline.bad{color:#c62828}.headline.good{color:#2e7d32}
+.headline.partial{color:#a15c00;background:#fff4e5;border-left:4px solid #ef6c00;padding:4px 8px}
+table.executed td.thin{color:#a15c00;font-weight:600}
 .badges{display:flex;gap:8px;flex-wrap:wrap;margin:8px 0}
 .badge{display:inline-block;border-radius:4px;padding:1px 8px;color:#fff;font-weight:600;
  font-size:12px;white-space:nowrap}
@@ -61,7 +67,7 @@ nav{font-size:13px;margin-top:8px}nav a{margin-right:14px;color:#1565c0;text-dec
 .card .reason{margin:2px 0 8px;font-weight:600}
 .card .body{display:flex;gap:16px;flex-wrap:wrap;align-items:flex-start}
 .card .body>div{flex:1 1 420px;min-width:0}
-.card img{max-width:100%;border:1px solid #eee}
+.card svg.plot{max-width:100%;height:auto;border:1px solid #eee;background:#fff}
 ul.where{margin:4px 0;padding-left:18px;font:12px/1.4 ui-monospace,Menlo,Consolas,monospace}
 ul.where li{margin:2px 0;word-break:break-word}
 pre{background:#f3f3f3;padding:8px;overflow-x:auto;font-size:12px;margin:6px 0;
@@ -81,9 +87,8 @@ details{margin:8px 0}summary{cursor:pointer;color:#1565c0}
 """
 
 
-def render_html(
-    s: Summary, verdicts: list[Verdict], title: str = "mlacheck report", source: str = ""
-) -> str:
+def render_html(s: Summary, verdicts: list[Verdict], title: str = "", source: str = "") -> str:
+    title = title_of(s, title)
     body = [
         _header(s, title, source),
         "<main>",
@@ -109,15 +114,17 @@ def write_html(
     path: str | Path,
     *,
     unparsable: int = 0,
-    title: str = "mlacheck report",
+    title: str = "",
     source: str = "",
     expected: int = 0,
     superseded: int = 0,
     missing: int | None = None,
+    headers: Sequence[RunHeader] = (),
+    wall_s: float | None = None,
 ) -> Path:
     path = Path(path)
     s = summarise(verdicts, unparsable, expected=expected, superseded=superseded,
-                  missing=missing)
+                  missing=missing, headers=headers, wall_s=wall_s)
     html = render_html(s, verdicts, title, source)
     path.write_text(html, encoding="utf-8")
     return path
@@ -127,32 +134,14 @@ def write_html(
 
 
 def _header(s: Summary, title: str, source: str) -> str:
-    n_bad = len(s.failures)
-    ran = s.total - s.by_status[SKIP]
-    if n_bad:
-        crashes = s.by_status[CRASH]
-        head = (
-            f"{n_bad} case{_s(n_bad)} failing"
-            + (f" ({crashes} crash{'es' if crashes != 1 else ''})" if crashes else "")
-            + " &mdash; details first, below"
-        )
-        cls = "bad"
-    elif s.by_status[ERROR] or s.by_status[XPASS]:
-        head, cls = (f"{s.by_status[ERROR]} suite error(s), {s.by_status[XPASS]} known "
-                     "failure(s) now passing (XPASS)"), "bad"
-    elif s.incomplete:
-        head, cls = f"INCOMPLETE: {s.with_verdict} of {s.expected} items have a verdict", "bad"
-    elif ran:
-        known = f", {s.by_status[KNOWN]} known failure(s)" if s.by_status[KNOWN] else ""
-        head, cls = f"All {ran} executed cases pass{known}", "good"
-    else:
-        head, cls = "No case was executed", "bad"
+    text, cls = s.headline()
+    head = escape(text) + (" &mdash; details first, below" if s.failures else "")
     badges = "".join(
         f'<span class="badge {_cls(st)}{"" if s.by_status[st] else " zero"}">'
         f"{s.by_status[st]} {escape(st)}</span>"
         for st in s.statuses
     )
-    warns = warnings_of(s) + ([plots.plot_note()] if plots.plot_note() else [])
+    warns = warnings_of(s)
     nav = "".join(
         f'<a href="#{a}">{t}</a>'
         for a, t in (
@@ -165,12 +154,29 @@ def _header(s: Summary, title: str, source: str) -> str:
         )
     )
     src = f'<div class="src">{escape(source)} &middot; {s.total} verdicts</div>' if source else ""
+    facts = "".join(f'<div class="facts">{escape(f)}</div>' for f in s.run.facts())
     return (
-        f'<header><div class="inner"><h1>{escape(title)}</h1>{src}'
+        f'<header><div class="inner"><h1>{escape(title)}</h1>{src}{facts}'
         f'<div class="headline {cls}">{head}</div><div class="badges">{badges}</div>'
         + "".join(f'<div class="warn">{escape(w)}</div>' for w in warns)
+        + _executed(s)
         + f"<nav>{nav}</nav></div></header>"
     )
+
+
+def _executed(s: Summary) -> str:
+    """Executed vs skipped per backend x op, the thin ones marked: what the headline means."""
+    if not s.coverage:
+        return ""
+    thin = {(b, op) for b, op, _ in s.thin}
+    rows = "".join(
+        f"<tr><td>{escape(b)}</td><td>{escape(op)}</td>{_count_cell(c.executed)}"
+        f"{_count_cell(c.skipped)}<td class=\"n{' thin' if (b, op) in thin else ''}\">"
+        f"{c.executed / c.total:.0%}{' (thin)' if (b, op) in thin else ''}</td></tr>"
+        for (b, op), c in s.coverage.items())
+    return (f'<details{" open" if thin else ""}><summary>{escape(s.coverage_line())}</summary>'
+            '<table class="executed"><tr><th>backend</th><th>op</th><th>executed</th>'
+            f"<th>skipped</th><th>executed share</th></tr>{rows}</table></details>")
 
 
 def _failures(s: Summary) -> str:
@@ -209,7 +215,7 @@ def _card(f: Failure, with_plot: bool, known: bool = False) -> str:
         parts.append(f'<div class="diagnosis">{escape(v.diagnosis)}</div>')
     if known:
         parts.append(f'<div class="warn">known failure: {escape(v.known_failure)}</div>')
-    png = plots.error_heatmap(f) if with_plot else None
+    svg = plots.error_heatmap(f) if with_plot else None
     text = [_checks_table(v), _where_list(v)]
     if v.status == CRASH and isinstance(tb := v.metrics.get("traceback"), str):
         text.append(f"<details><summary>traceback</summary><pre>{escape(tb)}</pre></details>")
@@ -221,7 +227,7 @@ def _card(f: Failure, with_plot: bool, known: bool = False) -> str:
         "<details><summary>case</summary>"
         f"<pre>{escape(json.dumps(v.case, indent=1, sort_keys=True))}</pre></details>"
     )
-    plot = f"<div>{_img(png, 'error heat map of ' + v.case_id)}</div>" if png else ""
+    plot = f"<div>{svg}</div>" if svg else ""
     parts.append(f'<div class="body"><div>{"".join(text)}</div>{plot}</div></article>')
     return "".join(parts)
 
@@ -265,11 +271,11 @@ def _totals(s: Summary) -> str:
         )
     cells = "".join(_count_cell(s.by_status[x]) for x in cols)
     rows.append(f"<tr><th>all</th><th></th>{cells}<td class=n><b>{s.total}</b></td></tr>")
-    png = plots.status_bars(s)
+    svg = plots.status_bars(s)
     return (
         f'<h2 id="totals">Totals per backend &times; op</h2><table><tr><th>backend</th>'
         f"<th>op</th>{head}<th>total</th></tr>{''.join(rows)}</table>"
-        + (f'<div class="plot">{_img(png, "status per backend and op")}</div>' if png else "")
+        + (f'<div class="plot">{svg}</div>' if svg else "")
     )
 
 
@@ -296,12 +302,12 @@ def _distributions(s: Summary) -> str:
         + f"<td class=n>{d.ratios[-1]:.3g}</td>{_count_cell(d.over)}</tr>"
         for d in s.distributions
     )
-    png = plots.error_distributions(s)
+    svg = plots.error_distributions(s)
     return (
         '<h2 id="errors">Worst row error / bound per compute format</h2>'
         '<p class="muted">One point per case; the compute format is the KV format. '
         "Above 1 a case fails its row-error check.</p>"
-        + (f'<div class="plot">{_img(png, "error distributions")}</div>' if png else "")
+        + (f'<div class="plot">{svg}</div>' if svg else "")
         + "<table><tr><th>format</th><th>cases</th><th>median</th><th>p90</th><th>p99</th>"
         f"<th>max</th><th>&gt; bound</th></tr>{rows}</table>"
     )
@@ -316,11 +322,14 @@ def _timings(s: Summary) -> str:
         for t in s.timings
     )
     total = sum(t.total for t in s.timings)
+    wall = (f"<tr><th>wall time</th><td class=n><b>{s.run.wall_s:.2f}</b></td><td></td><td></td>"
+            "<td></td></tr>" if s.run.wall_s is not None else "")
     return (
-        '<h2 id="timings">Time per phase</h2><table><tr><th>phase</th><th>total s</th>'
+        f'<h2 id="timings">Time per phase</h2><p class="muted">{escape(time_note(s))}</p>'
+        '<table><tr><th>phase</th><th>summed s</th>'
         f"<th>cases</th><th>slowest s</th><th>slowest case</th></tr>{rows}"
-        f"<tr><th>all</th><td class=n><b>{total:.2f}</b></td><td></td><td></td><td></td>"
-        "</tr></table>"
+        f"<tr><th>all phases, summed</th><td class=n><b>{total:.2f}</b></td><td></td><td></td>"
+        f"<td></td></tr>{wall}</table>"
     )
 
 
@@ -366,11 +375,6 @@ def _case_table(vs: list[Verdict]) -> str:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _img(png: bytes, alt: str) -> str:
-    data = base64.b64encode(png).decode("ascii")
-    return f'<img alt="{escape(alt)}" src="data:image/png;base64,{data}">'
 
 
 def _count_cell(n: int) -> str:

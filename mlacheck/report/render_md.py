@@ -2,20 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from mlacheck.report.summary import Summary, summarise
+from mlacheck.results import RunHeader
 from mlacheck.verdict import Verdict
 
 MAX_MD_FAILURES = 50  # failure blocks in full; the rest listed one line each
+DEFAULT_TITLE = "mlacheck report"
+# The headline's tone, as a word a markdown reader sees (no colour in markdown).
+TONE_WORDS = {"bad": "RED", "partial": "PARTIAL", "good": "GREEN"}
 
 
-def render_markdown(s: Summary, title: str = "mlacheck report") -> str:
-    """Failures first, then totals, skip reasons, error distributions and timings."""
-    out = [f"# {title}", "", f"**{s.total_line()}**", ""]
+def title_of(s: Summary, title: str = "") -> str:
+    """The given title, else what ran (matrix x backends on device), else the default."""
+    return title or s.run.title() or DEFAULT_TITLE
+
+
+def render_markdown(s: Summary, title: str = "") -> str:
+    """What ran and the headline, then failures, totals, skip reasons, error distributions
+    and timings."""
+    text, tone = s.headline()
+    out = [f"# {title_of(s, title)}", ""]
+    out += [f"- {line}" for line in s.run.facts()] + ([""] if s.run.facts() else [])
+    out += [f"**{TONE_WORDS[tone]}: {text}**", "", s.total_line(), ""]
     warns = warnings_of(s)
     out += [f"> warning: {w}" for w in warns] + ([""] if warns else [])
-    out += _failures(s) + _known(s) + _totals(s) + _skips(s) + _distributions(s) + _timings(s)
+    out += (_executed(s) + _failures(s) + _known(s) + _totals(s) + _skips(s)
+            + _distributions(s) + _timings(s))
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -24,14 +39,16 @@ def write_markdown(
     path: str | Path,
     *,
     unparsable: int = 0,
-    title: str = "mlacheck report",
+    title: str = "",
     expected: int = 0,
     superseded: int = 0,
     missing: int | None = None,
+    headers: Sequence[RunHeader] = (),
+    wall_s: float | None = None,
 ) -> Path:
     path = Path(path)
     s = summarise(verdicts, unparsable, expected=expected, superseded=superseded,
-                  missing=missing)
+                  missing=missing, headers=headers, wall_s=wall_s)
     path.write_text(render_markdown(s, title), encoding="utf-8")
     return path
 
@@ -54,6 +71,20 @@ def warnings_of(s: Summary) -> list[str]:
         w.append(f"XPASS: known failure now PASSES, remove its rule ({rule}): "
                  f"{v.backend} {v.case_id}")
     return w
+
+
+def _executed(s: Summary) -> list[str]:
+    """Executed vs skipped per backend x op: what the green or red is about."""
+    if not s.coverage:
+        return []
+    thin = {(b, op) for b, op, _ in s.thin}
+    out = ["## Executed per backend x op", "", s.coverage_line(), "",
+           "| backend | op | executed | skipped | executed share |", "|---|---|---:|---:|---:|"]
+    for (b, op), c in s.coverage.items():
+        mark = " (thin)" if (b, op) in thin else ""
+        out.append(f"| {b} | {op} | {c.executed} | {c.skipped} | "
+                   f"{c.executed / c.total:.0%}{mark} |")
+    return out + [""]
 
 
 def _failures(s: Summary) -> list[str]:
@@ -150,7 +181,9 @@ def _timings(s: Summary) -> list[str]:
     out = [
         "## Time per phase",
         "",
-        "| phase | total s | cases | slowest s | slowest case |",
+        time_note(s),
+        "",
+        "| phase | summed s | cases | slowest s | slowest case |",
         "|---|---:|---:|---:|---|",
     ]
     out += [
@@ -158,7 +191,20 @@ def _timings(s: Summary) -> list[str]:
         for t in s.timings
     ]
     total = sum(t.total for t in s.timings)
-    return out + [f"| **all** | {total:.2f} | | | |", ""]
+    out.append(f"| **all phases, summed** | {total:.2f} | | | |")
+    if s.run.wall_s is not None:
+        out.append(f"| **wall time** | {s.run.wall_s:.2f} | | | |")
+    return out + [""]
+
+
+def time_note(s: Summary) -> str:
+    """What the two clocks mean: phases summed over items (workers add up) vs wall time."""
+    workers = f" on {s.run.workers} worker{'s' if s.run.workers != 1 else ''}" \
+        if s.run.workers else ""
+    wall = (f"; the run took {s.run.wall_s:.2f} s of wall time{workers} (from the session's "
+            "start, the clock pytest's duration and the progress lines use)"
+            if s.run.wall_s is not None else "")
+    return f"Phase times are summed over every item{wall}."
 
 
 def _cell(text: str) -> str:

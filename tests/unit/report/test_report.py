@@ -4,8 +4,11 @@ self-contained HTML and the `mlacheck report` exit codes."""
 from __future__ import annotations
 
 import base64
+import json
 import re
+import struct
 import warnings
+import zlib
 from pathlib import Path
 
 import pytest
@@ -24,13 +27,19 @@ from _report_synth import (
 from mlacheck.backends.base import Capability, Output
 from mlacheck.inputs import DecodeInputs
 from mlacheck.outcome import KNOWN
-from mlacheck.report import load_results, main, summarise, write_html, write_markdown
+from mlacheck.report import (
+    load_results,
+    main,
+    render_html,
+    render_markdown,
+    summarise,
+    write_html,
+    write_markdown,
+)
 from mlacheck.report import plots as plots_mod
 from mlacheck.report.load import parse_line, read_results
 from mlacheck.spec import Case
 from mlacheck.verdict import FAIL, PASS, SKIP, Verdict
-
-HAS_MPL = plots_mod.available()
 
 
 @pytest.fixture
@@ -187,21 +196,39 @@ def test_html_report_self_contained(results: Path, tmp_path: Path) -> None:
     assert badges == {"PASS": "20", "FAIL": "1", "CRASH": "1", "SKIP": "15", "KNOWN": "1"}
 
 
-@pytest.mark.skipif(not HAS_MPL, reason="matplotlib not installed: the report has no plots")
-def test_html_embeds_png_plots(tmp_path: Path) -> None:
-    text = write_html(run_verdicts(), tmp_path / "report.html").read_text()
-    pngs = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', text)
-    assert len(pngs) == 3  # status bars, error distributions, one failure heat map
-    assert all(base64.b64decode(p)[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
-    assert 'alt="error heat map of ' + FAIL_ID in text
+def _svgs(text: str) -> dict[str, str]:
+    """The report's inline SVG plots by their aria-label."""
+    return dict((label, svg) for svg, label in re.findall(
+        r'(<svg class="plot"[^>]*aria-label="([^"]*)".*?</svg>)', text, re.S))
 
 
-def test_html_without_matplotlib_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(plots_mod, "available", lambda: False)
+def test_html_draws_every_plot_as_inline_svg_without_a_plotting_library(tmp_path: Path) -> None:
+    """Issue 33: the main job's install has no matplotlib, and its first report had no plots.
+    The plots are SVG drawn with the standard library: status bars, error distributions and
+    each failure's heat map, whose cells are one palette PNG inside."""
+    import sys
+
     text = write_html(run_verdicts(), tmp_path / "report.html").read_text()
-    assert "data:image/png" not in text
-    assert "matplotlib is not installed" in text
-    assert "heads 2-3: worst 0.9 &gt; bound 0.0625" in text
+    assert "matplotlib" not in sys.modules and "matplotlib" not in text
+    svgs = _svgs(text)
+    assert set(svgs) == {"status per backend and op", "error distributions",
+                         f"error heat map of {FAIL_ID}"}
+    heat = svgs[f"error heat map of {FAIL_ID}"]
+    png = base64.b64decode(re.search(r'href="data:image/png;base64,([A-Za-z0-9+/=]+)"',
+                                     heat).group(1))
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png[16:24])
+    fx, fy = width // 16, height // 8  # 16 heads x 8 token rows, a block of pixels per cell
+    assert (width, height) == (16 * fx, 8 * fy) and fx >= 1 and fy >= 1
+    raw = zlib.decompress(png[png.index(b"IDAT") + 4 : png.index(b"IEND") - 8])
+
+    def cell(t: int, h: int) -> int:  # its palette index
+        return raw[t * fy * (1 + width) + 1 + h * fx]
+
+    assert cell(7, 5) == plots_mod.NONFINITE_INDEX  # the non-finite row
+    assert cell(7, 2) > cell(0, 0)  # 0.9 (beyond the bound: red) vs 0.01 (blue)
+    assert "bound" in heat and "stroke-dasharray" in heat  # the bound's mark, the where boxes
+    assert "0.9 vs bound 0.0625" in heat
 
 
 def test_bad_heatmap_degrades_to_text(tmp_path: Path) -> None:
@@ -286,8 +313,7 @@ def test_report_of_real_judge_verdicts(tmp_path: Path) -> None:
     assert msg.replace(">", "&gt;") in html
     assert "| torch | mla_decode | 1 | 0 | 0 | 0 | 0 | 1 |" in md
     assert "| broken | mla_decode | 0 | 1 | 0 | 0 | 0 | 1 |" in md
-    if HAS_MPL and "heatmap" in bad.metrics:
-        assert 'alt="error heat map of ' + case.id in html
+    assert "heatmap" in bad.metrics and 'aria-label="error heat map of ' + case.id in html
 
 
 def test_odd_verdicts_are_counted_not_fatal(tmp_path: Path) -> None:
@@ -304,17 +330,13 @@ def test_odd_verdicts_are_counted_not_fatal(tmp_path: Path) -> None:
     assert "| aiter | mla_decode | 1 | 1 | 0 | 0 | 0 | 1 | 3 |" in md
     html = write_html(vs, tmp_path / "r.html").read_text()
     assert "odd-case" in html and "new status" in html
-    if HAS_MPL:
-        assert html.count("data:image/png;base64,") == 3
+    assert len(_svgs(html)) == 3  # status bars, distributions, the all-zero heat map
 
 
-@pytest.mark.skipif(not HAS_MPL, reason="matplotlib not installed")
 def test_heatmap_with_every_row_over_the_bound_keeps_its_layout() -> None:
     """Issue 16: when every row is far beyond the bound the bound's label was drawn off the
-    colour bar, the figure grew a blank area and matplotlib warned that constrained layout
-    collapsed. The bound now sits on the colour scale and the PNG keeps its size."""
-    import struct
-
+    colour bar and the figure grew a blank area. The bound sits on the colour scale and the
+    plot keeps its size."""
     from mlacheck.harness import run_case
     from mlacheck.report.summary import Failure
     from mlacheck.spec import DecodeCase, Request
@@ -341,12 +363,131 @@ def test_heatmap_with_every_row_over_the_bound_keeps_its_layout() -> None:
     v = run_case(DecodeCase(requests=(Request(1, 37), Request(1, 300)), num_heads=16,
                             page_size=1024), Wrong())
     assert v.status == FAIL and v.metrics["worst_row"] > 100 * v.metrics["bound"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        png = plots_mod.error_heatmap(Failure(v, v.summary()))
-    assert png is not None
-    width, height = struct.unpack(">II", png[16:24])  # the PNG header's IHDR size
+    svg = plots_mod.error_heatmap(Failure(v, v.summary()))
+    assert svg is not None
+    width, height = (int(x) for x in re.search(r'width="(\d+)" height="(\d+)"', svg).groups())
     assert width <= 900 and height <= 600, (width, height)
+    assert ">bound</text>" in svg
     # and the bound stays on the colour scale (drawn, not dropped) however far the rows are
     lo, hi = plots_mod._colour_range([float(v.metrics["worst_row"])], v.metrics["bound"])
     assert lo <= v.metrics["bound"] <= hi
+
+
+# --------------------------------------------------------------------------- what ran (issue 33)
+
+
+def _results_with_header(tmp_path: Path, verdicts: list[Verdict]) -> Path:
+    """A results file as a run writes it: a run header (started 100 s before the first
+    verdict), verdict lines stamped 100 s and 130 s after the start."""
+    from mlacheck.results import new_header
+
+    header = new_header([(v.backend, v.case_id) for v in verdicts], ["aiter", "torch"],
+                        "smoke", "cpu", workers=2, started=1_700_000_000.0)
+    lines = [header.to_line()]
+    for i, v in enumerate(verdicts):
+        d = json.loads(v.to_json())
+        d["written"] = 1_700_000_000.0 + (130.0 if i == len(verdicts) - 1 else 100.0)
+        lines.append(json.dumps(d) + "\n")
+    p = tmp_path / "results.jsonl"
+    p.write_text("".join(lines))
+    return p
+
+
+def test_report_header_says_what_ran_and_when(tmp_path: Path) -> None:
+    """Issue 33: the title was always `mlacheck report: results.jsonl`. It names the matrix,
+    the backends with their versions and the device; the header the machine, mlacheck's,
+    torch's and Python's versions, the date, the wall time and the workers."""
+    import mlacheck
+
+    vs = run_verdicts()
+    for v in vs:
+        v.implementation = {"torch": "2.13.0", "version": f"lib-of-{v.backend} 1.2"}
+    p = _results_with_header(tmp_path, vs)
+    assert main([str(p)]) == 0
+    md, html = (tmp_path / "report.md").read_text(), (tmp_path / "report.html").read_text()
+    title = "mlacheck report: matrix smoke x aiter, torch on cpu"
+    assert md.startswith(f"# {title}\n") and f"<h1>{title}</h1>" in html
+    for text in (md, html):
+        assert "backends: aiter (lib-of-aiter 1.2); torch (lib-of-torch 1.2)" in text
+        assert f"mlacheck {mlacheck.__version__}" in text and "torch " in text
+        assert "python " in text and "machine: " in text
+        assert re.search(r"started 2023-11-1[45] \d\d:\d\d:\d\d", text)
+        assert "wall time 130.0 s, 2 workers" in text
+
+
+def test_wall_time_beside_summed_time(tmp_path: Path) -> None:
+    """Issue 33: `Time per phase: all 46.54 s` was the sum over workers' items; the report
+    says so and puts the wall time (the run header's start to the last verdict) beside it."""
+    p = _results_with_header(tmp_path, run_verdicts())
+    loaded = read_results(p)
+    assert loaded.wall_s == pytest.approx(130.0)
+    md = write_markdown(loaded.verdicts, tmp_path / "r.md", headers=loaded.headers,
+                        wall_s=loaded.wall_s).read_text()
+    summed = sum(t.total for t in summarise(loaded.verdicts).timings)
+    assert f"| **all phases, summed** | {summed:.2f} |" in md
+    assert "| **wall time** | 130.00 |" in md
+    assert "summed over every item; the run took 130.00 s of wall time on 2 workers" in md
+
+
+def test_wall_time_of_a_resumed_file_adds_each_runs_span(tmp_path: Path) -> None:
+    """Two runs over one file (--resume): each run's span counts, not the pause between."""
+    from mlacheck.results import RunHeader, read_raw
+
+    def header(t: float) -> str:
+        return RunHeader((("b", "c"),), ("b",), "smoke", "cpu", t).to_line()
+
+    def line(t: float) -> str:
+        return json.dumps({"case_id": "c", "backend": "b", "written": t}) + "\n"
+
+    p = tmp_path / "r.jsonl"
+    p.write_text(header(1000.0) + line(1010.0) + line(1020.0) + header(5000.0) + line(5005.0))
+    assert read_raw(p).wall_s == pytest.approx(25.0)
+    p.write_text(header(1000.0) + json.dumps({"case_id": "c", "backend": "b"}) + "\n")
+    assert read_raw(p).wall_s is None  # an old file: no stamps, no claim
+
+
+def test_headline_is_not_green_over_thin_coverage() -> None:
+    """Issue 33: `All 58 executed cases pass` headed a run where gfx942 executed 0 of 15
+    mla_prefill items. A backend x op that executed under THIN_COVERAGE of its items turns
+    the headline `partial` (amber, naming it); executed / skipped per backend x op is in the
+    header."""
+    from mlacheck.report.summary import THIN_COVERAGE
+
+    def prefill(executed: int, total: int) -> list[Verdict]:
+        ran = [passing(i, backend="gfx942", op="mla_prefill") for i in range(executed)]
+        return ran + [Verdict(f"pf-skip{i}", "gfx942", "mla_prefill", SKIP, reason="gfx950 only")
+                      for i in range(total - executed)]
+
+    decode = [passing(i, backend="gfx942") for i in range(20, 30)]
+    thin = summarise([*prefill(0, 15), *decode])
+    text, tone = thin.headline()
+    assert tone == "partial", text
+    assert text == ("All 10 executed cases pass, but coverage is thin: 10 of 25 items "
+                    f"executed (15 not); under {THIN_COVERAGE:.0%} executed: gfx942 "
+                    "mla_prefill 0 of 15")
+    html = render_html(thin, [])
+    assert '<div class="headline partial">' in html
+    assert "(thin)" in html and "<details open>" in html
+    assert "**PARTIAL: All 10 executed cases pass, but" in render_markdown(thin)
+    under = int(THIN_COVERAGE * 10) - 1
+    assert summarise([*prefill(under, 10), *decode]).headline()[1] == "partial"
+    assert summarise([*prefill(under + 1, 10), *decode]).headline()[1] == "good"
+    full = summarise([*prefill(14, 15), *decode])
+    assert full.headline() == ("All 24 executed cases pass (1 skipped)", "good")
+
+
+def test_one_row_heat_map_gets_integer_ticks() -> None:
+    """Issue 33: a one-row heat map had y ticks -0.5..0.5 in steps of 0.1. Ticks are whole
+    token rows and heads at a 1-2-5 step, at most eight."""
+    from mlacheck.report.summary import Failure
+
+    assert plots_mod._int_ticks(1) == [0]
+    assert plots_mod._int_ticks(16) == [0, 2, 4, 6, 8, 10, 12, 14]
+    assert plots_mod._int_ticks(128) == [0, 20, 40, 60, 80, 100, 120]
+    assert plots_mod._int_ticks(256) == [0, 50, 100, 150, 200, 250]
+    v = failing()
+    v.metrics.update(heatmap=[[0.01] * 16], rows=16)
+    v.where = v.where[:1]
+    svg = plots_mod.error_heatmap(Failure(v, v.summary()))
+    y_labels = re.findall(r'text-anchor="end"[^>]*>(-?[\d.]+)</text>', svg)
+    assert y_labels == ["0"], y_labels

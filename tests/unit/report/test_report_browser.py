@@ -1,10 +1,11 @@
-"""The HTML report of a fault run as a browser draws it (issue 16): every plot is rendered at
-its own aspect ratio and a readable size, and no plot is a blank band (the heat map of a case
-whose every row is over the bound used to collapse: blank area, the bound's label astray).
+"""The HTML report of a fault run as a browser draws it (issue 16): every plot (inline SVG,
+issue 33) is rendered at its own aspect ratio and a readable size, and no plot is a blank
+band (the heat map of a case whose every row is over the bound used to collapse: blank area,
+the bound's label astray).
 
-Needs playwright (pip) and a Chromium (its own download, or the distribution's
-chromium-headless-shell / chromium package): skipped with the reason when either is missing,
-as on CI, which installs neither.
+Needs playwright (pip), a Chromium (its own download, or the distribution's
+chromium-headless-shell / chromium package) and Pillow (to read the screenshots): skipped with
+the reason when one is missing, as on CI, which installs none of them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from mlacheck.backends.faults import make
 from mlacheck.harness import run_case
 from mlacheck.matrices import load
 from mlacheck.report import main as report_main
-from mlacheck.report import plots
 from mlacheck.verdict import FAIL
 
 # Chromium binaries the distributions install, tried after playwright's own download.
@@ -70,10 +70,12 @@ def _fault_run_report(out: Path) -> tuple[Path, int]:
 
 def _longest_white_band(png: bytes) -> float:
     """Share of the image's height taken by its longest run of all-white pixel rows."""
-    import matplotlib.image as mpimg
+    from PIL import Image
 
-    img = mpimg.imread(io.BytesIO(png), format="png")[..., :3]
-    white = (img > 0.98).all(axis=(1, 2)).tolist()
+    img = Image.open(io.BytesIO(png)).convert("L")
+    width, height = img.size
+    pixels = img.load()
+    white = [all(pixels[x, y] > 250 for x in range(width)) for y in range(height)]
     longest = run = 0
     for w in white:
         run = run + 1 if w else 0
@@ -81,8 +83,8 @@ def _longest_white_band(png: bytes) -> float:
     return longest / len(white)
 
 
-@pytest.mark.skipif(not plots.available(), reason="matplotlib not installed: no plots to draw")
 def test_fault_run_report_draws_every_plot_whole(tmp_path: Path) -> None:
+    pytest.importorskip("PIL", reason="Pillow reads the screenshots")
     sync_playwright, executable = _chromium()
     html, failing = _fault_run_report(tmp_path)
     with sync_playwright() as p:  # type: ignore[operator]
@@ -91,16 +93,18 @@ def test_fault_run_report_draws_every_plot_whole(tmp_path: Path) -> None:
         page.goto(html.as_uri())
         page.wait_for_load_state("load")
         page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
-        imgs = page.query_selector_all("img")
-        sizes = [(img.get_attribute("alt"), img.evaluate(
-            "i => [i.naturalWidth, i.naturalHeight, i.getBoundingClientRect().width, "
-            "i.getBoundingClientRect().height]")) for img in imgs]
-        bands = {img.get_attribute("alt"): _longest_white_band(img.screenshot()) for img in imgs}
+        plots = page.query_selector_all("svg.plot")
+        sizes = [(svg.get_attribute("aria-label"), svg.evaluate(
+            "s => [s.viewBox.baseVal.width, s.viewBox.baseVal.height, "
+            "s.getBoundingClientRect().width, s.getBoundingClientRect().height]"))
+            for svg in plots]
+        bands = {svg.get_attribute("aria-label"): _longest_white_band(svg.screenshot())
+                 for svg in plots}
         browser.close()
     heat = [alt for alt, _ in sizes if alt and alt.startswith("error heat map")]
     assert failing >= 3 and len(heat) == failing, sizes
     for alt, (nw, nh, w, h) in sizes:
-        assert nw > 0 and nh > 0, f"{alt}: not decoded"
+        assert nw > 0 and nh > 0, f"{alt}: no view box"
         assert w >= MIN_WIDTH and h >= MIN_HEIGHT, f"{alt}: drawn {w:.0f}x{h:.0f}"
         assert abs((w / h) / (nw / nh) - 1) <= ASPECT_SLACK, f"{alt}: {w}x{h} of {nw}x{nh}"
         assert bands[alt] <= MAX_BLANK_SHARE, f"{alt}: blank band of {bands[alt]:.0%}"
