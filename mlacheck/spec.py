@@ -564,27 +564,137 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+# The fields a case cannot do without: its batch. A case JSON without one would silently be
+# the default batch (`dec-b1-kv256`), another case than the one meant.
+REQUIRED: dict[str, tuple[str, ...]] = {"prefill": ("segments",), "decode": ("requests",),
+                                        "sparse": ("requests",)}
+# The fields of one segment / request: each an integer (q_len required; context_len 0).
+_UNIT_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "segments": (("q_len", "context_len"), ("q_len",)),
+    "requests": (("q_len", "kv_len"), ("q_len", "kv_len")),
+}
+
+
 def case_from_dict(d: dict[str, Any]) -> Case:
-    """Inverse of `case_to_dict`; raises ValueError with a one-line reason on bad input."""
+    """Inverse of `case_to_dict`. Every problem of the input is found before any is raised:
+    one ValueError, one line, naming each field and what it must be (required fields
+    missing, unknown fields, values of the wrong type), then the case's own checks."""
     d = dict(d)
     kind = d.pop("kind", None)
     if kind not in CASE_TYPES:
         raise ValueError(f"unknown case kind {kind!r}; known: {', '.join(CASE_TYPES)}")
     cls = CASE_TYPES[kind]
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - names
+    problems = field_problems(kind, d)
+    if problems:
+        raise ValueError(f"bad {kind} case: {'; '.join(problems)}")
+    for key, sub in _NESTED.items():
+        if key in d and d[key] is not None:
+            d[key] = sub(**d[key])
+    for key, sub in _SEQUENCES.items():
+        if key in d:
+            d[key] = tuple(sub(**x) if isinstance(x, dict) else sub(*x) for x in d[key])
+    return cls(**d)
+
+
+def field_problems(kind: str, d: dict[str, Any]) -> list[str]:
+    """What is wrong with the fields of a `kind` case given as a mapping (no `kind` key):
+    every problem, each naming its field (`requests[1].kv_len`) and the expected type."""
+    cls = CASE_TYPES[kind]
+    defaults = _defaults(cls)
+    problems = [f"missing required field {k!r} (a list of [{', '.join(_UNIT_FIELDS[k][0])}] "
+                "pairs)" for k in REQUIRED[kind] if k not in d]
+    unknown = sorted(set(d) - set(defaults))
     if unknown:
-        raise ValueError(f"unknown field(s) for a {kind} case: {', '.join(sorted(unknown))}")
-    try:
-        for key, sub in _NESTED.items():
-            if key in d and d[key] is not None:
-                d[key] = sub(**d[key])
-        for key, sub in _SEQUENCES.items():
-            if key in d:
-                d[key] = tuple(sub(**x) if isinstance(x, dict) else sub(*x) for x in d[key])
-        return cls(**d)
-    except TypeError as e:
-        raise ValueError(f"bad {kind} case: {e}") from None
+        problems.append(f"unknown field(s) {', '.join(unknown)} for a {kind} case; known: "
+                        f"{', '.join(sorted(defaults))}")
+    for key, value in d.items():
+        if key in _SEQUENCES:
+            problems += _unit_problems(key, value)
+        elif key in _NESTED:
+            if value is None and defaults[key] is None:
+                continue
+            if not isinstance(value, dict):
+                problems.append(f"{key} must be a mapping of {_NESTED[key].__name__} fields, "
+                                f"got {_shown(value)}")
+                continue
+            sub = _defaults(_NESTED[key])
+            extra = sorted(set(value) - set(sub))
+            if extra:
+                problems.append(f"unknown {key} field(s) {', '.join(map(str, extra))}; "
+                                f"known: {', '.join(sorted(sub))}")
+            problems += [p for k, v in value.items() if k in sub
+                         if (p := type_problem(f"{key}.{k}", v, sub[k]))]
+        elif key in defaults:
+            problem = type_problem(key, value, defaults[key])
+            if problem:
+                problems.append(problem)
+    return problems
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """Field -> default (MISSING for a required one) of a case or nested dataclass."""
+    return {f.name: _default_of(f) for f in dataclasses.fields(cls)}
+
+
+def _unit_problems(key: str, value: Any) -> list[str]:
+    """`segments` / `requests`: a non-empty list of [a, b] pairs or {name: int} mappings."""
+    names, required = _UNIT_FIELDS[key]
+    if not isinstance(value, list | tuple) or not value:
+        return [f"{key} must be a non-empty list of [{', '.join(names)}] pairs, got "
+                f"{_shown(value)}"]
+    problems = []
+    for i, item in enumerate(value):
+        where = f"{key}[{i}]"
+        if isinstance(item, dict):
+            extra = sorted(set(item) - set(names))
+            if extra:
+                problems.append(f"{where}: unknown field(s) {', '.join(map(str, extra))}; "
+                                f"known: {', '.join(names)}")
+            problems += [f"{where}.{n} is required" for n in required if n not in item]
+            fields = {n: item[n] for n in names if n in item}
+        elif isinstance(item, list | tuple) and len(required) <= len(item) <= len(names):
+            fields = dict(zip(names, item, strict=False))
+        else:
+            problems.append(f"{where} must be [{', '.join(names)}] (integers), got "
+                            f"{_shown(item)}")
+            continue
+        problems += [p for n, v in fields.items() if (p := type_problem(f"{where}.{n}", v, 0))]
+    return problems
+
+
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def type_problem(name: str, value: Any, default: Any) -> str:
+    """'' when `value` has the type of the field whose default is `default`, else what is
+    wrong ("kv_len must be an integer, got '37' (a string)"). bool is not an integer here:
+    `16.0` or `true` for a head count would make another case id."""
+    if default is None:  # an optional integer (valid_cap): null or an integer
+        ok, expected = value is None or _is_int(value), "an integer or null"
+    elif isinstance(default, bool):
+        ok, expected = isinstance(value, bool), _TYPE_WORDS[bool]
+    elif isinstance(default, int):
+        ok, expected = _is_int(value), _TYPE_WORDS[int]
+    elif isinstance(default, float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        expected = _TYPE_WORDS[float]
+    else:
+        ok = isinstance(value, type(default))
+        expected = _TYPE_WORDS.get(type(default), type(default).__name__)
+    return "" if ok else f"{name} must be {expected}, got {_shown(value)}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    """A value as the user wrote it, with its JSON type: `'37' (a string)`."""
+    kind = {bool: "true/false", int: "an integer", float: "a number", str: "a string",
+            list: "a list", tuple: "a list", dict: "a mapping", type(None): "null"}.get(
+        type(value), type(value).__name__)
+    text = repr(value)
+    return f"{text if len(text) <= 40 else text[:37] + '...'} ({kind})"
 
 
 def case_from_json(text: str) -> Case:

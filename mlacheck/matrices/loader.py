@@ -22,7 +22,9 @@ naming the file and the problem in one line):
         exclude:                        # optional: drop combinations matching ALL keys of a rule
           - {paging.layout: vectorized, paging.page_size: 1}
 
-Fields are those of the case dataclass of `kind` (spec.py). Nested fields are mappings:
+Fields are those of the case dataclass of `kind` (spec.py; spec.case_from_dict checks every
+field's type). The batch is required, in base or an axis: `segments` (prefill) or `requests`
+(decode, sparse). Every problem of a file is reported in one error. Nested fields are mappings:
 `quant: {q: fp8_e4m3fn, kv: fp8_e4m3fn, scale: unit}`, `placement: {kind: high, offset_bytes:
 4294967296}`, `paging: {page_size: 16, layout: vectorized}`, `dims: {rope_factor: 1.0}`.
 An axis key may be a field (`num_heads`) or a dotted path into a nested field
@@ -62,6 +64,7 @@ from mlacheck.bugclasses import BUG_CLASSES
 from mlacheck.markers import KNOWN_MARKERS
 from mlacheck.spec import (
     CASE_TYPES,
+    REQUIRED,
     Case,
     MLADims,
     Paging,
@@ -266,9 +269,28 @@ def _load_file(path: Path, stack: tuple[str, ...]) -> tuple[list[MatrixCase], st
     if not isinstance(groups, list) or not groups:
         raise MatrixError(f"{where}: groups must be a non-empty list")
     seen_groups: set[str] = set()
-    for i, group in enumerate(groups):
-        cases += _expand_group(group, i, where, seen_groups)
+    problems: list[str] = []
+    for i, group in enumerate(groups):  # every group's problems, then one error
+        try:
+            cases += _expand_group(group, i, where, seen_groups)
+        except MatrixError as e:
+            problems.append(str(e))
+    if problems:
+        raise MatrixError(_all_problems(where, problems))
     return cases, description, name
+
+
+# Problems of one group's combinations listed in full; more are counted.
+MAX_COMBINATION_PROBLEMS = 8
+
+
+def _all_problems(where: str, problems: list[str]) -> str:
+    """Several problems of one file in one line: `file: 3 problems: group 'a': ...; ...`."""
+    if len(problems) == 1:
+        return problems[0]
+    prefix = f"{where}: "
+    parts = [p[len(prefix):] if p.startswith(prefix) else p for p in problems]
+    return f"{where}: {len(parts)} problems: " + "; ".join(parts)
 
 
 # --------------------------------------------------------------------------- groups
@@ -322,7 +344,13 @@ def _expand_group(group: Any, index: int, file: str, seen: set[str]) -> list[Mat
         for key in rule:
             _check_path(kind, str(key), where, "exclude key")
 
+    lacking = [k for k in REQUIRED[kind] if k not in base and k not in axes]
+    if lacking:
+        raise MatrixError(f"{where}: missing required field(s) {', '.join(lacking)} (in base or "
+                          "axes): a case's batch is never a silent default")
+
     out: list[MatrixCase] = []
+    bad: list[str] = []  # every combination's problem, then one error
     rule_hits = [0] * len(rules)
     for combo in _combinations(axes):
         fields = _resolve_fields(base, combo)
@@ -333,19 +361,24 @@ def _expand_group(group: Any, index: int, file: str, seen: set[str]) -> list[Mat
             continue
         label = "{" + ", ".join(f"{k}: {_short(v)}" for k, v in combo.items()) + "}"
         try:
-            case = case_from_dict({"kind": kind, **_typed_fields(kind, fields)})
+            case = case_from_dict({"kind": kind, **_typed_fields(fields)})
         except (ValueError, TypeError) as e:
-            raise MatrixError(f"{where}: combination {label}: {e}".replace("\n", " ")) from None
+            bad.append(f"combination {label}: {e}".replace("\n", " "))
+            continue
         claimed = [c for c in covers if isinstance(c, str)]
         lacking = [c for c in claimed if c not in boundaries.classes_of(case)]
         if lacking:  # a group must have the shapes it says it covers
-            raise MatrixError(f"{where}: combination {label} covers {', '.join(lacking)} "
-                              "in name only (its case lacks the shape; see mlacheck/boundaries.py)")
+            bad.append(f"combination {label} covers {', '.join(lacking)} in name only (its "
+                       "case lacks the shape; see mlacheck/boundaries.py)")
+            continue
         marks = tuple(sorted(set(derived_markers(case)) | set(markers)))
         out.append(MatrixCase(case, marks, gname))
-    for i, n in enumerate(rule_hits):
-        if n == 0:
-            raise MatrixError(f"{where}: exclude rule {rules[i]} matches no combination")
+    bad += [f"exclude rule {rules[i]} matches no combination"
+            for i, n in enumerate(rule_hits) if n == 0]
+    if bad:
+        more = len(bad) - MAX_COMBINATION_PROBLEMS
+        shown = bad[:MAX_COMBINATION_PROBLEMS] + ([f"... and {more} more"] if more > 0 else [])
+        raise MatrixError(f"{where}: " + "; ".join(shown))
     if not out:
         raise MatrixError(f"{where}: every combination is excluded")
     return out
@@ -416,62 +449,11 @@ def _check_path(kind: str, key: str, where: str, what: str) -> None:
 # --------------------------------------------------------------------------- values
 
 
-def _typed_fields(kind: str, fields: Mapping[str, Any]) -> dict[str, Any]:
-    """Check scalar types against the dataclass defaults (YAML gives strings for typos like
-    `num_heads: 16x`) and expand segment/request generators."""
-    defaults = _field_defaults(CASE_TYPES[kind])
-    out: dict[str, Any] = {}
-    for key, value in fields.items():
-        if key in _SEQUENCE_FIELDS:
-            out[key] = _sequence(key, value)
-        elif key in _NESTED_TYPES:
-            if value is None and defaults[key] is None:
-                out[key] = None
-                continue
-            if not isinstance(value, dict):
-                raise ValueError(f"{key} must be a mapping, got {_short(value)}")
-            sub_defaults = _field_defaults(_NESTED_TYPES[key])
-            for sk, sv in value.items():
-                if sk not in sub_defaults:
-                    raise ValueError(f"unknown {key} field {sk!r}; known: "
-                                     f"{', '.join(sorted(sub_defaults))}")
-                _check_type(f"{key}.{sk}", sv, sub_defaults[sk])
-            out[key] = value
-        else:
-            _check_type(key, value, defaults[key])
-            out[key] = value
-    return out
-
-
-def _check_type(name: str, value: Any, default: Any) -> None:
-    if default is None:  # optional int fields (valid_cap): None or an int
-        ok = value is None or (isinstance(value, int) and not isinstance(value, bool))
-    elif isinstance(default, bool):
-        ok = isinstance(value, bool)
-    elif isinstance(default, int):
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(default, float):
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, type(default))
-    if not ok:
-        expected = type(default).__name__ if default is not None else "int or null"
-        raise ValueError(f"{name} must be {expected}, got {_short(value)}")
-
-
-def _sequence(key: str, value: Any) -> list[list[int]]:
-    names = _SEQUENCE_FIELDS[key]
-    if isinstance(value, dict):
-        return _generate(key, value)
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"{key} must be a non-empty list of {names} pairs or a generator mapping")
-    out = []
-    for item in value:
-        if (not isinstance(item, list) or not 1 <= len(item) <= 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
-            raise ValueError(f"{key} entry {_short(item)} must be [{names[0]}, {names[1]}] (ints)")
-        out.append(list(item))
-    return out
+def _typed_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Segment / request generators expanded into pairs; every field's type is checked by
+    mlacheck.spec.case_from_dict, the one owner of what a case's fields must be."""
+    return {k: _generate(k, v) if k in _SEQUENCE_FIELDS and isinstance(v, dict) else v
+            for k, v in fields.items()}
 
 
 def _generate(key: str, spec: Mapping[str, Any]) -> list[list[int]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -154,19 +155,19 @@ BAD_JSON = {
     "null": "null",
     "no kind": "{}",
     "unknown kind": '{"kind": "nope"}',
-    "unknown field": '{"kind": "decode", "foo": 1}',
-    "unknown nested field": '{"kind": "decode", "quant": {"zz": 1}}',
-    "unknown dims field": '{"kind": "prefill", "dims": {"x": 2}}',
-    "bad format": '{"kind": "decode", "quant": {"q": "fp9"}}',
+    "unknown field": '{"kind": "decode", "requests": [[1, 9]], "foo": 1}',
+    "unknown nested field": '{"kind": "decode", "requests": [[1, 9]], "quant": {"zz": 1}}',
+    "unknown dims field": '{"kind": "prefill", "segments": [[4, 0]], "dims": {"x": 2}}',
+    "bad format": '{"kind": "decode", "requests": [[1, 9]], "quant": {"q": "fp9"}}',
     "bad request": '{"kind": "decode", "requests": [{"q_len": 0, "kv_len": 3}]}',
     "bad request arity": '{"kind": "decode", "requests": [[1, 2, 3]]}',
-    "bad type": '{"kind": "decode", "num_heads": "16"}',
-    "bad nested type": '{"kind": "prefill", "paging": 5}',
+    "bad type": '{"kind": "decode", "requests": [[1, 9]], "num_heads": "16"}',
+    "bad nested type": '{"kind": "prefill", "segments": [[4, 0]], "paging": 5}',
     "bad sequence": '{"kind": "sparse", "requests": 5}',
-    "bad placement": '{"kind": "decode", "placement": {"kind": "high"}}',
-    "bad page size": '{"kind": "decode", "page_size": 2048}',
-    "bad valid_cap": '{"kind": "sparse", "topk": 8, "valid_cap": 9}',
-    "bad vectorized page": '{"kind": "prefill", "paging": {"page_size": 8, "layout": "vectorized"},'
+    "bad placement": '{"kind": "decode", "requests": [[1, 9]], "placement": {"kind": "high"}}',
+    "bad page size": '{"kind": "decode", "requests": [[1, 9]], "page_size": 2048}',
+    "bad valid_cap": '{"kind": "sparse", "requests": [[1, 9]], "topk": 8, "valid_cap": 9}',
+    "bad vectorized page": '{"kind": "prefill", "segments": [[4, 0]], "paging": {"page_size": 8, "layout": "vectorized"},'
     ' "quant": {"q": "fp8_e4m3fn", "kv": "fp8_e4m3fn"}}',
 }
 
@@ -177,6 +178,38 @@ def test_bad_json_is_a_one_line_value_error(text: str) -> None:
         spec.case_from_json(text)
     msg = str(info.value)
     assert msg and "\n" not in msg and len(msg) < 200, msg
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"kind": "decode", "num_heads": 16}',
+     "missing required field 'requests' (a list of [q_len, kv_len] pairs)"),
+    ('{"kind": "prefill"}', "missing required field 'segments'"),
+    ('{"kind": "decode", "requests": [{"q_len": 1, "kv_len": "37"}]}',
+     "requests[0].kv_len must be an integer, got '37' (a string)"),
+    ('{"kind": "decode", "requests": [[1, 40], [1, 2.5]]}',
+     "requests[1].kv_len must be an integer, got 2.5 (a number)"),
+    ('{"kind": "prefill", "segments": [[4, 0]], "causal": "yes"}',
+     "causal must be true or false, got 'yes' (a string)"),
+    ('{"kind": "decode", "requests": [[1, 9]], "quant": {"kv": 8}}',
+     "quant.kv must be a string, got 8 (an integer)"),
+    ('{"kind": "sparse", "requests": [[1, 9]], "valid_cap": "4"}',
+     "valid_cap must be an integer or null, got '4' (a string)"),
+])
+def test_a_bad_case_names_the_field_and_the_type(text: str, words: str) -> None:
+    """Issue 33: a case JSON without `requests` became `dec-b1-kv256` and PASSed; a string
+    kv_len gave "'<' not supported between instances of 'str' and 'int'"."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        spec.case_from_json(text)
+
+
+def test_every_problem_of_a_case_in_one_line() -> None:
+    with pytest.raises(ValueError) as info:
+        spec.case_from_json('{"kind": "decode", "num_heads": "16", "seed": -1.5, "foo": 1}')
+    msg = str(info.value)
+    assert "\n" not in msg
+    for words in ("missing required field 'requests'", "unknown field(s) foo",
+                  "num_heads must be an integer, got '16'", "seed must be an integer"):
+        assert words in msg, msg
 
 
 _requests = st.lists(

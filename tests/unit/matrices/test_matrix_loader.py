@@ -97,7 +97,7 @@ def test_mapping_axis_values_merge_over_base(tmp_path: Path) -> None:
         groups:
           - name: g
             kind: decode
-            base: {quant: {q: fp8_e4m3fn, kv: fp8_e4m3fn, scale: unit}}
+            base: {requests: [[1, 40]], quant: {q: fp8_e4m3fn, kv: fp8_e4m3fn, scale: unit}}
             axes:
               quant: [{scale: amax}, {q: fp8_e4m3fnuz, kv: fp8_e4m3fnuz}]
     """)
@@ -145,7 +145,7 @@ def test_markers_derived_and_explicit(tmp_path: Path) -> None:
               placement: {kind: high, offset_bytes: 2147483648}
           - name: unpaged-high
             kind: prefill
-            base: {placement: {kind: high, offset_bytes: 2147483648}}
+            base: {segments: [[64, 0]], placement: {kind: high, offset_bytes: 2147483648}}
     """)
     sparse, unpaged = load(str(path)).cases
     assert sparse.markers == ("fp8", "large_kv", "persistent", "slow", "sparse")
@@ -191,8 +191,9 @@ def test_seeds_duplicates_and_sibling_include(tmp_path: Path) -> None:
 
 
 def test_include_cycle_is_an_error(tmp_path: Path) -> None:
-    write(tmp_path, "a", "include: [b]\ngroups: [{name: g, kind: decode}]\n")
-    path = write(tmp_path, "b", "include: [a]\ngroups: [{name: g, kind: decode}]\n")
+    group = "groups: [{name: g, kind: decode, base: {requests: [[1, 9]]}}]\n"
+    write(tmp_path, "a", "include: [b]\n" + group)
+    path = write(tmp_path, "b", "include: [a]\n" + group)
     assert "include cycle: b -> a -> b" in error_of(path)
 
 
@@ -219,10 +220,12 @@ def test_include_of_packaged_matrix_comes_first(tmp_path: Path) -> None:
          "unknown base field 'num_head' for a decode case"),
         ("groups:\n  - name: g\n    kind: decode\n    axes: {placement.offset: [1]}\n",
          "unknown axis 'placement.offset'"),
-        ("groups:\n  - name: g\n    kind: decode\n    base: {num_heads: 16x}\n",
-         "num_heads must be int, got 16x"),
-        ("groups:\n  - name: g\n    kind: decode\n    base: {quant: {q: fp9}}\n",
+        ("groups:\n  - name: g\n    kind: decode\n    base: {requests: [[1, 9]], num_heads: 16x}\n",
+         "num_heads must be an integer, got '16x' (a string)"),
+        ("groups:\n  - name: g\n    kind: decode\n    base: {requests: [[1, 9]], quant: {q: fp9}}\n",
          "unknown format 'fp9'"),
+        ("groups:\n  - name: g\n    kind: decode\n    base: {num_heads: 16}\n",
+         "group 'g': missing required field(s) requests (in base or axes)"),
         ("groups:\n  - name: g\n    kind: decode\n    base: {requests: [[5, 2]]}\n",
          "need 0 <= q_len <= kv_len"),
         ("groups:\n  - name: g\n    kind: decoder\n", "kind must be one of"),
@@ -232,7 +235,8 @@ def test_include_of_packaged_matrix_comes_first(tmp_path: Path) -> None:
         ("groups:\n  - name: g\n    kind: decode\n    axes: {page_size: 16}\n",
          "axis 'page_size' must be a non-empty list"),
         ("groups:\n  - name: g\n    kind: decode\n    axes: {page_size: [16]}\n"
-         "    exclude: [{page_size: 1}]\n", "matches no combination"),
+         "    base: {requests: [[1, 9]]}\n    exclude: [{page_size: 1}]\n",
+         "matches no combination"),
         ("groups:\n  - name: g\n    kind: decode\n    base: {requests: {repeat: 2}}\n",
          "generator takes repeat, q_len, kv_len"),
         ("groups:\n  - name: g\n    kind: decode\n  - name: g\n    kind: decode\n",
@@ -253,7 +257,7 @@ def test_impossible_combination_names_group_and_combination(tmp_path: Path) -> N
         groups:
           - name: paged
             kind: prefill
-            base: {quant: {q: bf16, kv: bf16}}
+            base: {segments: [[9, 0]], quant: {q: bf16, kv: bf16}}
             axes:
               paging.page_size: [16, 4]
               paging.layout: [vectorized]
@@ -289,3 +293,31 @@ def test_name_must_match_file(tmp_path: Path) -> None:
 
 def test_missing_file(tmp_path: Path) -> None:
     assert "no such matrix file" in error_of(tmp_path / "absent.yaml")
+
+
+def test_every_problem_of_a_file_in_one_message(tmp_path: Path) -> None:
+    """Issue 33: a matrix's errors came one per run. Every group's problem and every bad
+    combination of a group are named in one (one-line) error."""
+    path = write(tmp_path, "bad", """
+        groups:
+          - name: typo
+            kind: decode
+            base: {requests: [[1, 9]], num_heads: 16x}
+          - name: no-batch
+            kind: prefill
+            base: {num_heads: 16}
+          - name: fine
+            kind: decode
+            base: {requests: [[1, 9]]}
+          - name: two-bad-lengths
+            kind: decode
+            axes:
+              requests: [[[1, "37"]], [[1, 40]], [[2, 1]]]
+    """)
+    message = error_of(path)
+    assert message.startswith(f"{path}: 3 problems: group 'typo': "), message
+    assert "num_heads must be an integer, got '16x' (a string)" in message
+    assert "group 'no-batch': missing required field(s) segments" in message
+    assert "group 'fine'" not in message
+    assert "requests[0].kv_len must be an integer, got '37' (a string)" in message
+    assert "need 0 <= q_len <= kv_len" in message  # the third combination, same group
