@@ -19,7 +19,7 @@ from mlacheck.golden.sparse import sparse_attention
 from mlacheck.inputs import DecodeInputs
 
 
-def _query_operand(inputs: DecodeInputs, variant: str) -> Operand:
+def query_operand(inputs: DecodeInputs, variant: str) -> Operand:
     """exact: q as stored with its scale (dequantised in the reference's own dtype, so fp64
     is exact); ideal: the unquantised original."""
     if variant == "ideal":
@@ -27,7 +27,7 @@ def _query_operand(inputs: DecodeInputs, variant: str) -> Operand:
     return Operand(inputs.q.stored, per_tensor(inputs.q.scale))
 
 
-def _kv_operand(inputs: DecodeInputs, variant: str, r: int) -> Operand:
+def kv_operand(inputs: DecodeInputs, variant: str, r: int) -> Operand:
     """Request r's latent KV [kv_len, 1, 576]. exact: gathered from the paged pool through
     the page table as stored (what the kernel reads), with the pool's scale; ideal: the
     unquantised original."""
@@ -44,11 +44,11 @@ def reference(inputs: DecodeInputs, variant: str = "exact", dtype: torch.dtype =
     """
     case = inputs.case
     rank = case.dims.kv_lora_rank
-    q = _query_operand(inputs, variant)
+    q = query_operand(inputs, variant)
     qo = inputs.qo_indptr.tolist()
 
     def request(r: int) -> Request:
-        return q.view(lambda x: x[qo[r] : qo[r + 1]]), _kv_operand(inputs, variant, r), rank
+        return q.view(lambda x: x[qo[r] : qo[r + 1]]), kv_operand(inputs, variant, r), rank
 
     return concat(attend_each([functools.partial(request, r) for r in range(len(case.requests))],
                               case.softmax_scale, causal=True, dtype=dtype))
@@ -66,16 +66,26 @@ def sparse_reference(
     (golden.sparse) serves decode and prefill alike.
     """
     case = inputs.case
+    res = sparse_attention(query_operand(inputs, variant), sparse_kv(inputs, variant),
+                           sparse_rows(inputs), case.softmax_scale, case.dims.kv_lora_rank,
+                           dtype, budget)
+    return Result(res.out, res.lse)
+
+
+def sparse_kv(inputs: DecodeInputs, variant: str) -> Operand:
+    """Every request's latent KV laid end to end (the rows `sparse_rows` index)."""
+    kvs = [kv_operand(inputs, variant, r) for r in range(len(inputs.case.requests))]
+    return Operand(cat_rows([k.data for k in kvs]), kvs[0].scale)
+
+
+def sparse_rows(inputs: DecodeInputs) -> torch.Tensor:
+    """Each token's top-k positions as rows of `sparse_kv` (-1: no position)."""
+    case = inputs.case
     assert inputs.topk_indices is not None
-    kvs = [_kv_operand(inputs, variant, r) for r in range(len(case.requests))]
-    kv = Operand(cat_rows([k.data for k in kvs]), kvs[0].scale)
     q_lens = torch.tensor([r.q_len for r in case.requests])
     kv_lens = torch.tensor([r.kv_len for r in case.requests])
     starts = torch.cumsum(kv_lens, 0) - kv_lens
-    owner = torch.repeat_interleave(torch.arange(len(kvs)), q_lens)
+    owner = torch.repeat_interleave(torch.arange(len(case.requests)), q_lens)
     idx = inputs.topk_indices.long().cpu()
     inside = (idx >= 0) & (idx < kv_lens[owner][:, None])
-    rows = torch.where(inside, idx + starts[owner][:, None], torch.full_like(idx, -1))
-    res = sparse_attention(_query_operand(inputs, variant), kv, rows, case.softmax_scale,
-                           case.dims.kv_lora_rank, dtype, budget)
-    return Result(res.out, res.lse)
+    return torch.where(inside, idx + starts[owner][:, None], torch.full_like(idx, -1))

@@ -296,22 +296,23 @@ FAULTS: dict[str, FaultSpec] = {s.name: s for s in _SPECS}
 
 # The axis each fault acts along: what the first line of its failure card must name
 # (mlacheck.localise.diagnose; tests/unit/faults/test_localisation.py). "crash": the fault
-# is a refused call, whose card is the exception.
+# is a refused call, whose card is the exception. "semantics": the kernel computed another
+# convention, which the card names (mlacheck.counterfactual).
 AXES: dict[str, str] = {
     "decode-num-actual-tokens": "output", "sparse-ragged-rowmajor": "rows",
     "sparse-dense-metadata": "schedule", "multiseg-as-one": "segments",
     "multiseg-first-only": "segments", "pad-heads-floor-div": "crash",
     "offset-wrap-int32": "pool", "offset-wrap-uint32": "pool", "read-past-page-end": "kv",
-    "fp8-unit-scale": "all", "context-chunk-lse": "segments", "mtp-metadata-qlen1": "schedule",
+    "fp8-unit-scale": "semantics", "context-chunk-lse": "segments", "mtp-metadata-qlen1": "schedule",
     "stale-metadata": "schedule", "last-page-lens-one": "kv", "unpad-heads-slice": "heads",
-    "perturb-row": "heads", "default-softmax-scale": "all", "lse-base2": "lse",
-    "causal-top-left": "segments", "last-page-off-by-one": "kv", "write-past-output": "output",
+    "perturb-row": "heads", "default-softmax-scale": "semantics", "lse-base2": "semantics",
+    "causal-top-left": "semantics", "last-page-off-by-one": "kv", "write-past-output": "output",
     "nondeterministic": "runs", "tile-multiple-drops-last": "kv", "kv-clamp-16k": "kv",
     "tile-multiple-drops-last-64": "kv", "tile-multiple-drops-last-128": "kv",
     "tile-ceil-off-by-one": "kv", "kv-clamp-8k": "kv", "kv-clamp-64k": "kv",
     "page-id-int16": "requests", "page-id-uint16": "requests",
     "empty-request-shift": "requests", "empty-segment-shift": "segments",
-    "single-token-no-context": "segments", "soft-cap-ignored": "rows",
+    "single-token-no-context": "segments", "soft-cap-ignored": "semantics",
     "per-token-scale-ignored": "rows", "narrow-accumulation": "requests",
 }
 

@@ -1,6 +1,7 @@
 """Failures point at the bug: for every fault in the catalogue, the first line of its failure
 card names the axis the fault acts along (heads, requests / segments, KV positions / pages,
-pool region, tokens, the schedule, the LSE, output rows, runs), on the selftest cases that
+pool region, tokens, the schedule, the LSE, output rows, runs, or the other semantics it
+computed: mlacheck.counterfactual), on the selftest cases that
 expose it (mlacheck/backends/faults AXES is the fault's known footprint).
 
 The selftest's large-KV cases (pools past 2^31 / 2^32) run in a 24-bit offset model by default
@@ -22,6 +23,7 @@ AXIS_WORDS = {
     "heads": "heads ", "requests": "request", "segments": "segment", "kv": "KV positions",
     "pool": "pool region", "tokens": "tokens", "rows": "rows of", "all": "every",
     "lse": "LSE only", "schedule": "schedule:", "output": "output rows", "runs": "runs:",
+    "semantics": "semantics: the kernel matches",
 }
 SELFTEST = load("selftest").cases
 # Offset models: 24 bits (megabyte pools, the default run) and the real 32 (the slow tier:
@@ -47,19 +49,8 @@ SMOKE = load("smoke").cases
 # (fault, case id prefix) whose card names another axis than the fault's footprint, with
 # why. Asserted exactly: a gap that closes fails the test until it is removed here.
 KNOWN_GAPS: dict[tuple[str, str], str] = {
-    ("causal-top-left", "pf-s2-q37-ctx15-h16-bf16-causal-p16"):
-        "the output is exactly attention over the first q_len keys (top-left alignment on the "
-        "whole kv = bottom-right on that prefix): the KV words are true, the mask is not named",
-    ("default-softmax-scale", "dec-b1-kv70-h16-p64-bf16-shuffled-sentinel"):
-        "one request: every row of the case's only request fails, and one request cannot tell "
-        "a global cause from its own",
     ("empty-request-shift", "sparse-b3-mtp2-kv40-90-empty1"):
         "sparse pseudo-batches get no units-alone probe: every request fails, read as global",
-    ("fp8-unit-scale", "dec-b2-kv37-100-h16-p16-e4m3fnuz-amax-shuffled-stress"):
-        "every row NaN: a NaN tail read cannot be told from NaN made by the cast without a "
-        "kernel probe on finite tails (not built)",
-    ("fp8-unit-scale", "pf-s2-q37-ctx13-h16-e4m3fn"):
-        "every segment fails in some rows of every head: read as rows, not as a global cause",
     ("narrow-accumulation", "dec-b3-mtp2-kv257-2048"):
         "one head of one request over the bound: data-dependent accumulation error reads as "
         "a head pattern",
