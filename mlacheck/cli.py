@@ -275,7 +275,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     from mlacheck import inventory
 
     if args.coverage is not None:
-        return _print_coverage(args.coverage)
+        return _print_coverage(args.coverage, args.backend, args.device)
     if args.faults:
         from mlacheck.backends.faults import FAULTS, PREFIX
 
@@ -310,12 +310,21 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _print_coverage(matrices: list[str]) -> int:
+def _print_coverage(matrices: list[str], backends: list[str] | None = None,
+                    device: str = "auto") -> int:
     """Which boundary classes (mlacheck/boundaries.py) each matrix covers, per op: the number
-    of cases, all of them and those a CPU gate runs (without large_kv)."""
+    of cases, all of them and those a CPU gate runs (without large_kv). With backends: the
+    cases each backend executes here (not SKIPped by its capabilities), so a class the matrix
+    covers and the backend skips shows as not covered for that backend."""
     from mlacheck import boundaries
+    from mlacheck.backends.base import skip_reason
+    from mlacheck.backends.registry import resolve
     from mlacheck.matrices import load, names
+    from mlacheck.preflight import resolve_device
+    from mlacheck.pytest_plugin import split_backends
 
+    chosen = [resolve(b) for b in split_backends(backends)]
+    where = resolve_device(device) if chosen else ""
     for name in matrices or names():
         m = load(name)
         every = boundaries.coverage(mc.case for mc in m.cases)
@@ -327,6 +336,18 @@ def _print_coverage(matrices: list[str]) -> int:
                 mark = "" if n else "  <- MISSING" if cls.cpu else "  (needs large_kv)"
                 cells.append(f"{op} {n} ({cpu[cls.name][op]}){mark}")
             print(f"  {cls.name:24s} " + "; ".join(cells))
+        for backend in chosen:
+            runs = [mc.case for mc in m.cases if skip_reason(backend, mc.case, where) is None]
+            mine = boundaries.coverage(runs)
+            print(f"  {backend.name} on {where} executes {len(runs)} of {len(m.cases)} cases: "
+                  "boundary class / op: cases it executes (of the matrix's)")
+            for cls in boundaries.CLASSES:
+                cells = []
+                for op, n in mine[cls.name].items():
+                    total = every[cls.name][op]
+                    mark = "  <- SKIPPED" if total and not n else ""
+                    cells.append(f"{op} {n} (of {total}){mark}")
+                print(f"    {cls.name:22s} " + "; ".join(cells))
     return EXIT_OK
 
 
@@ -478,6 +499,12 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="backends available here and matrices")
     ls.add_argument("--coverage", nargs="*", default=None, metavar="MATRIX",
                     help="show which boundary classes each matrix (default: all) covers, per op")
+    ls.add_argument("--backend", "-b", action="append", default=None,
+                    help="with --coverage: also the classes each named backend executes here "
+                         "(its capabilities' SKIPs left out); repeatable or comma-separated")
+    ls.add_argument("--device", default="auto",
+                    help="with --coverage --backend: the device whose capabilities count "
+                         "(default auto)")
     ls.add_argument("--faults", action="store_true",
                     help="list the planted faults (fault:<name>) and their mechanisms")
     ls.add_argument("--json", action="store_true",

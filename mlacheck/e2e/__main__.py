@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from mlacheck.spec import FORMATS, Placement, Quant
+from mlacheck.backends.base import Backend
+from mlacheck.spec import DEEPSEEK_V3, FORMATS, MLADims, Placement, Quant
 
 
 def _attention_args(ap: argparse.ArgumentParser) -> None:
@@ -70,10 +71,46 @@ def _runner(args: argparse.Namespace):  # noqa: ANN202
         page_size=args.page_size,
         placement=Placement(kind=args.placement, tail_poison=args.tail_poison),
     )
+    backend = resolve(args.backend)
+    prefill = resolve(args.prefill_backend) if args.prefill_backend else _fault_prefill(backend)
     model = load_model(args.model, device=args.device, dtype=torch.float32)
+    _check_fault_dims(backend, model.config.mla_dims, args.model)
     tok = load_tokenizer(args.model, model.config.bos_token_id, model.config.eos_token_id)
-    prefill = resolve(args.prefill_backend) if args.prefill_backend else None
-    return MLARunner(model, resolve(args.backend), att, prefill_backend=prefill), tok
+    return MLARunner(model, backend, att, prefill_backend=prefill), tok
+
+
+def _check_fault_dims(backend: Backend, dims: MLADims, model: Path) -> None:
+    """A fault planted in the AITER model (fault:default-softmax-scale) takes DeepSeek's
+    attention dims only: said before the run, with the model that has them."""
+    from mlacheck.backends.faults import PREFIX, spec_of
+    from mlacheck.backends.faults._base import ADAPTER_INNERS
+    from mlacheck.e2e.config import E2EError
+
+    if not backend.name.startswith(PREFIX) or spec_of(backend.name).inner not in ADAPTER_INNERS:
+        return
+    want = DEEPSEEK_V3
+    if (dims.kv_lora_rank, dims.qk_rope, dims.qk_nope, dims.v_head) != (
+            want.kv_lora_rank, want.qk_rope, want.qk_nope, want.v_head):
+        raise E2EError(
+            f"{backend.name} is planted in the AITER model, which takes DeepSeek's attention "
+            f"dims only (latent {want.kv_lora_rank} + {want.qk_rope}); {model} has "
+            f"{dims.kv_lora_rank} + {dims.qk_rope}: use --model "
+            "references/e2e_model_deepseek_dims")
+
+
+def _fault_prefill(backend: Backend) -> Backend | None:
+    """A planted fault that acts on decode only (fault:default-softmax-scale) runs its
+    prefill on the reference backend, torch, and says so: the fault demonstration runs from
+    the command line as `--backend fault:NAME` (the backend a fault is planted in may not
+    take the e2e model's dims)."""
+    from mlacheck.backends.faults import PREFIX
+    from mlacheck.backends.registry import resolve
+
+    if not backend.name.startswith(PREFIX) or "mla_prefill" in backend.capabilities():
+        return None
+    print(f"note: {backend.name} plants its fault in decode only; prefill runs on torch "
+          "(--prefill-backend to choose another)", file=sys.stderr)
+    return resolve("torch")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -129,13 +166,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             from mlacheck.e2e.lm import MLACheckLM
             from mlacheck.gate.lmeval_runner import RunSettings, run_task
+            from mlacheck.gate.progress import AnswerProgress
             from mlacheck.gate.task import STRICT
             from mlacheck.gate.tasks import get_task
 
             task = get_task(args.task)
             t0 = time.perf_counter()
             runner, tok = _runner(args)
-            lm = MLACheckLM(runner, tok, batch_size=args.batch_size)
+            progress = AnswerProgress(task, label=f"e2e {task.name}")
+            lm = MLACheckLM(runner, tok, batch_size=args.batch_size, progress=progress)
             label = args.label or f"e2e:{args.model.name}"
             rec = run_task(
                 task,

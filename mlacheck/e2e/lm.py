@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lm_eval.api.model import LM
@@ -23,6 +23,9 @@ from mlacheck.e2e.config import E2EError
 from mlacheck.e2e.runner import AttentionConfig, MLARunner
 from mlacheck.e2e.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 from mlacheck.spec import Quant
+
+if TYPE_CHECKING:
+    from mlacheck.gate.progress import AnswerProgress
 
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_MAX_GEN_TOKS = 256
@@ -42,7 +45,9 @@ class MLACheckLM(LM):  # type: ignore[misc]
         tokenizer: CharTokenizer | HFTokenizer,
         batch_size: int = DEFAULT_BATCH_SIZE,
         max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+        progress: AnswerProgress | None = None,
     ) -> None:
+        """`progress`: told of each finished batch (questions done, accuracy so far, ETA)."""
         super().__init__()
         if batch_size < 1:
             raise E2EError("batch_size must be >= 1")
@@ -51,6 +56,7 @@ class MLACheckLM(LM):  # type: ignore[misc]
         self.batch_size = int(batch_size)
         self.max_gen_toks = int(max_gen_toks)
         self.max_length = int(runner.config.max_position_embeddings)
+        self.progress = progress
 
     @classmethod
     def from_pretrained(
@@ -118,6 +124,8 @@ class MLACheckLM(LM):  # type: ignore[misc]
             keep = max(1, self.max_length - max_gen)
             encoded.append(ids[-keep:])
             groups.setdefault((until, max_gen), []).append(i)
+        if self.progress is not None:
+            self.progress.begin(len(requests))
         for (until, max_gen), idx in groups.items():
             order = sorted(idx, key=lambda j: -len(encoded[j]))
             for b0 in range(0, len(order), self.batch_size):
@@ -126,6 +134,9 @@ class MLACheckLM(LM):  # type: ignore[misc]
                 for j, text in zip(batch, texts, strict=True):
                     results[j] = text
                     self.cache_hook.add_partial("generate_until", requests[j].args, text)
+                if self.progress is not None:
+                    self.progress.answered((getattr(requests[j], "doc", None), text)
+                                           for j, text in zip(batch, texts, strict=True))
         return [r if r is not None else "" for r in results]
 
     # -- helpers

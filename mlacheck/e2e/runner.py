@@ -183,6 +183,12 @@ class MLARunner:
             why = be.unavailable()
             if why:
                 raise E2EError(f"backend {be.name} unavailable: {why}")
+        # before the model loads and the first question runs, not mid-run
+        for be, op, flag in ((self.backend, "mla_decode", "--backend"),
+                             (self.prefill_backend, "mla_prefill", "--prefill-backend")):
+            if op not in be.capabilities():
+                raise E2EError(f"backend {be.name} does not provide {op}, which the model's "
+                               f"attention needs; choose one that does with {flag}")
         self.model = model.eval()
         self.attention = attention
         self.observer = observer

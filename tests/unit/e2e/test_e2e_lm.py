@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from _e2e_helpers import tiny_model
+from _e2e_helpers import DEEPSEEK_DIMS, tiny_model
 
 from mlacheck.backends.torch_ref import TorchBackend
 from mlacheck.e2e.checkpoint import save_model
@@ -119,3 +119,65 @@ def test_gate_command_records_which_backend_ran_each_op(tmp_path: Path) -> None:
     assert (extra["decode_backend"], extra["prefill_backend"]) == ("torch", "torch-split")
     assert (extra["page_size"], extra["placement"]) == ("4", "shuffled-sentinel")
     assert e2e_main([*argv[:5], "--prefill-backend", "no-such-backend", *argv[7:]]) == 2
+
+
+def test_gate_command_prints_progress_and_runs_a_decode_fault(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]
+                                                              ) -> None:
+    """Issue 33: the e2e gate was silent for minutes, and `--backend
+    fault:default-softmax-scale` (a decode-only fault) aborted mid-run: "does not provide op
+    mla_prefill". Each batch prints questions done, accuracy so far and an ETA; a decode-only
+    fault runs its prefill on the reference (torch), and says so."""
+    import json
+
+    from mlacheck.e2e.__main__ import main as e2e_main
+
+    data = write_gsm8k_dir(tmp_path / "data", n_train=3, n_test=6)
+    model_dir = tmp_path / "model"
+    save_model(tiny_model(), model_dir, dtype=torch.float32)
+    CharTokenizer().save(model_dir)
+    out = tmp_path / "run.json"
+    small = ["gate", "--model", str(model_dir), "--backend", "fault:default-softmax-scale",
+             "--data-dir", str(data), "--out", str(out)]
+    assert e2e_main(small) == 2  # planted in the AITER model: DeepSeek's dims only, said first
+    assert "use --model references/e2e_model_deepseek_dims" in capsys.readouterr().err
+    save_model(tiny_model(**DEEPSEEK_DIMS), model_dir, dtype=torch.float32)
+    argv = ["gate", "--model", str(model_dir), "--backend", "fault:default-softmax-scale",
+            "--data-dir", str(data), "--out", str(out), "--max-gen-toks", "4", "--threads",
+            "1", "--batch-size", "2"]
+    assert e2e_main(argv) == 0
+    err = capsys.readouterr().err
+    assert "note: fault:default-softmax-scale plants its fault in decode only; prefill runs " \
+           "on torch" in err
+    lines = [line for line in err.splitlines() if line.startswith("e2e gsm8k: ")]
+    assert [line.split(" questions")[0] for line in lines] == [
+        "e2e gsm8k: 2/6", "e2e gsm8k: 4/6", "e2e gsm8k: 6/6"]
+    assert "strict-match 0.0% so far (0 right)" in lines[-1] and lines[-1].endswith("done")
+    assert "ETA " in lines[0]
+    extra = json.loads(out.read_text())["metadata"]["extra"]
+    assert (extra["decode_backend"], extra["prefill_backend"]) == (
+        "fault:default-softmax-scale", "torch")
+
+
+def test_a_backend_without_the_op_is_refused_before_the_run() -> None:
+    """Before the model's first question, naming the option that chooses another."""
+    from mlacheck.backends.faults import make
+    from mlacheck.e2e.runner import MLARunner
+
+    with pytest.raises(E2EError, match="does not provide mla_prefill.*--prefill-backend"):
+        MLARunner(tiny_model(), make("default-softmax-scale"))
+
+
+def test_progress_scores_with_the_tasks_own_filters() -> None:
+    from mlacheck.gate.progress import AnswerProgress
+    from mlacheck.gate.tasks import get_task
+
+    lines: list[str] = []
+    p = AnswerProgress(get_task("gsm8k"), write=lines.append, label="t")
+    p.begin(20)
+    right, wrong = {"answer": "so #### 42"}, {"answer": "so #### 7"}
+    assert p.answered([(right, "The answer is 42.\n#### 42")]) is None  # 5 %: not due
+    line = p.answered([(wrong, "#### 42")])
+    assert line is not None and line.startswith("t: 2/20 questions (10%), gsm8k strict-match "
+                                                 "50.0% so far (1 right)")
+    assert lines == [line]

@@ -232,3 +232,18 @@ def test_default_workers_use_the_cores_the_memory_can_hold(monkeypatch) -> None:
     monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(128)), raising=False)
     monkeypatch.setattr(cli, "_available_gib", lambda: 2000.0)
     assert cli._default_workers("cuda") == 64  # 8 GPUs x 8
+
+
+def test_list_coverage_per_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 33: `list --coverage` was per matrix only, so it showed prefill classes covered
+    that the default backend skips. With --backend it shows what each backend executes."""
+    from mlacheck.cli import main
+
+    assert main(["list", "--coverage", "smoke", "--backend", "aiter-model-gfx942",
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    mine = out[out.index("aiter-model-gfx942 on cpu executes "):]
+    assert "kv-multiple-of-256     mla_decode 1 (of 1); mla_prefill 0 (of 1)  <- SKIPPED" in mine
+    assert "soft-cap               mla_prefill 0 (of 1)  <- SKIPPED" in mine
+    assert "kv-longer-than-8192    mla_decode 1 (of 1)\n" in mine
+    assert main(["list", "--coverage", "smoke", "--backend", "no-such-backend"]) == 2
