@@ -169,9 +169,7 @@ def _run_admitted(case: Case, backend: Backend, opts: RunOptions, base: Verdict,
     t["kernel"], clock = time.perf_counter() - clock, time.perf_counter()
     try:
         if data.refs is None:
-            gold = golden.reference(inp, "exact", opts.golden_precision)
-            ideal = golden.reference(inp, "ideal", opts.golden_precision) if opts.ideal else None
-            _sync(opts.device)
+            gold, ideal = golden_references(inp, opts)
             t["golden"], clock = time.perf_counter() - clock, time.perf_counter()
             baseline = _baseline(case, inp)
             t["baseline"], clock = time.perf_counter() - clock, time.perf_counter()
@@ -204,6 +202,27 @@ def _run_admitted(case: Case, backend: Backend, opts: RunOptions, base: Verdict,
         v.metrics["device_peak_bytes"] = torch.cuda.max_memory_allocated(opts.device)
         v.metrics["footprint_bytes"] = footprint.estimate(case).total
     return v
+
+
+def golden_references(inp: inputs_mod.Inputs, opts: RunOptions
+                      ) -> tuple[golden.Result, golden.Result | None]:
+    """The exact golden (on the inputs as stored) and, when `opts.ideal`, the ideal one (on
+    the unquantised values)."""
+    gold = golden.reference(inp, "exact", opts.golden_precision)
+    ideal = golden.reference(inp, "ideal", opts.golden_precision) if opts.ideal else None
+    _sync(opts.device)
+    return gold, ideal
+
+
+def judge_output(case: Case, inp: inputs_mod.Inputs, out: Output, backend: Backend,
+                 opts: RunOptions = RunOptions()) -> Verdict:
+    """The verdict on an output some other loop already got from `backend` (the e2e model's
+    attention calls): the same references and judge as run_case, no determinism repeat."""
+    gold, ideal = golden_references(inp, opts)
+    baseline = _baseline(case, inp)
+    v = judge.verdict(case, inp, out, gold, baseline, ideal, backend.name,
+                      implementation=_version_record(backend))
+    return judge.with_known_label(v, case)
 
 
 def _version_record(backend: Backend) -> dict[str, Any]:

@@ -20,7 +20,6 @@ of questions.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +28,11 @@ import pytest
 import torch
 
 from mlacheck.backends.torch_ref import TorchBackend
+from mlacheck.e2e.faults import WrongDecodeScale
 from mlacheck.gate.compare import GatePolicy, GateVerdict, compare, power_statement, render_markdown
 from mlacheck.gate.record import GateRecord
 from mlacheck.gate.task import STRICT
-from mlacheck.spec import Case, Quant
+from mlacheck.spec import Quant
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get("MLACHECK_E2E_MODEL", REPO / "references" / "e2e_model"))
@@ -47,8 +47,6 @@ MARGIN = 0.05
 # that never stops (the faulted one) is cut here.
 MAX_GEN_TOKS = 96
 BASELINE_ACCURACY_TARGET = 0.80
-# The planted fault: DeepSeek's latent width, the default scale of AITER / FlashMLA decode.
-WRONG_DECODE_SCALE = 1 / math.sqrt(576)
 
 SKIP_REASON = "no trained e2e model committed yet (references/e2e_model/model.safetensors)"
 _HAS_WEIGHTS = any((MODEL_DIR / f).is_file() for f in ("model.safetensors", "model.pt"))
@@ -57,14 +55,6 @@ pytestmark = [
     pytest.mark.skipif(not _HAS_WEIGHTS, reason=SKIP_REASON),
     pytest.mark.timeout(900),
 ]
-
-
-class WrongDecodeScale(TorchBackend):
-    """The `torch` backend, except that decode uses softmax scale 1/sqrt(576) (a kernel
-    default) instead of the case's scale. Prefill is untouched."""
-
-    def softmax_scale(self, case: Case) -> float:
-        return WRONG_DECODE_SCALE if case.op == "mla_decode" else case.softmax_scale
 
 
 BF16 = Quant(q="bf16", kv="bf16")
