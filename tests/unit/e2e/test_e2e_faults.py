@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,16 @@ def test_kernel_verdicts_sample_decode_steps_per_batch() -> None:
                                               "checks": {}}
 
 
+def _benchmark(name: str):  # noqa: ANN202
+    """A benchmarks/ script as a module (registered: its dataclasses need their module)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_dose_response_benchmark_end_to_end(tmp_path: Path) -> None:
     """benchmarks/e2e_dose_response.py: run and table on a tiny model: the table says
     which layer saw each fault."""
@@ -115,11 +126,7 @@ def test_dose_response_benchmark_end_to_end(tmp_path: Path) -> None:
     from mlacheck.e2e.checkpoint import save_model
     from mlacheck.e2e.tokenizer import CharTokenizer
 
-    spec = importlib.util.spec_from_file_location(
-        "e2e_dose_response", REPO / "benchmarks" / "e2e_dose_response.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("e2e_dose_response")
     model = tmp_path / "model"
     save_model(tiny_model(), model, dtype=torch.float32)
     CharTokenizer().save(model)
@@ -138,3 +145,34 @@ def test_dose_response_benchmark_end_to_end(tmp_path: Path) -> None:
     # a dose planted in the torch backend's arithmetic is not run over another backend
     assert rows["decode-scale-1/sqrt(576)"]["note"].startswith("planted in the torch backend")
     assert "| lse-base2 |" in (out / "dose_response.md").read_text()
+
+
+def test_kernel_gate_driver_runs_compares_and_keeps_every_exit_code(tmp_path: Path) -> None:
+    """benchmarks/e2e_kernel_gate.py on CPU with the reference configuration: the run's exit
+    code and record, the compare's exit code and verdict; runs past the budget are recorded
+    as not started, never dropped."""
+    pytest.importorskip("lm_eval", reason="needs lm-eval")
+    from mlacheck.e2e.checkpoint import save_model
+    from mlacheck.e2e.problems import write_gsm8k_dir
+    from mlacheck.e2e.tokenizer import CharTokenizer
+
+    gate = _benchmark("e2e_kernel_gate")
+    assert [r.name for r in gate.RUNS][0] == "torch-bf16-p16"
+    model = tmp_path / "model"
+    save_model(tiny_model(), model, dtype=torch.float32)
+    CharTokenizer().save(model)
+    data = write_gsm8k_dir(tmp_path / "data", n_train=2, n_test=2)
+    out = tmp_path / "out"
+    common = ["run", "--model", str(model), "--out-dir", str(out), "--data-dir", str(data),
+              "--device", "cpu", "--n", "2", "--jobs", "1"]
+    assert gate.main([*common, "--runs", "torch-bf16-p16"]) == 0
+    # no budget left: recorded as not started (and the exit status says not everything ran)
+    assert gate.main([*common, "--runs", "flashinfer-bf16-p16", "--budget-s", "0"]) == 2
+    assert gate.main(["table", str(out), "--baseline", str(out / "torch-bf16-p16.json")]) == 0
+    rows = {r["name"]: r for r in json.loads((out / "kernel_gate.json").read_text())}
+    ref = rows["torch-bf16-p16"]
+    assert ref["rc"] == 0 and ref["compare_rc"] in (0, 1) and ref["compare"]["primary"]["b"] == 0
+    assert rows["flashinfer-bf16-p16"]["status"] == "not started: budget spent"
+    assert "| flashinfer-bf16-p16 | flashinfer / torch |" in (out / "kernel_gate.md").read_text()
+    with pytest.raises(SystemExit, match="unknown runs: nope"):
+        gate.main([*common, "--runs", "nope"])
