@@ -146,7 +146,7 @@ def _row(info: dict[str, Any], base: Any, margin: float) -> dict[str, Any]:
     row.update(gate="PASS" if v.passed else "FAIL", accuracy=rec.metrics[STRICT].accuracy,
                invalid=rec.invalid_count())
     if p is not None:
-        row.update(diff=p.difference.estimate, lower=p.difference.lower,
+        row.update(n=p.n_candidate, diff=p.difference.estimate, lower=p.difference.lower,
                    upper=p.difference.upper, b=p.b, c=p.c, resolves=p.min_detectable_drop)
     judged, failed = info.get("kernel_judged", 0), info.get("kernel_failed", 0)
     row["kernel_level"] = ("ERROR" if info.get("kernel_errors") else
@@ -170,22 +170,24 @@ def _pts(x: float | None) -> str:
 
 def render(rows: list[dict[str, Any]], margin: float, base_acc: float, n: int) -> str:
     lines = [
-        f"Baseline strict-match accuracy {base_acc:.1%} on {n} questions; gate: paired "
-        f"non-inferiority, margin {100 * margin:g} points, one-sided alpha 0.05.",
+        f"Baseline strict-match accuracy {base_acc:.1%} on its {n} questions; each run is "
+        f"compared on the n questions it shares with it (paired non-inferiority, margin "
+        f"{100 * margin:g} points, one-sided alpha 0.05). Accuracy: the run's own.",
         "",
-        "| dose | what | gate | accuracy | difference, 90% CI (pts) | b / c | kernel-level: "
+        "| dose | what | gate | n | accuracy | difference, 90% CI (pts) | b / c | kernel-level: "
         "FAIL / judged calls | checks that fired | seen by |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["gate"] == "not run":
-            lines.append(f"| {r['dose']} | {r.get('mechanism') or ''} | not run | | | | | | "
+            lines.append(f"| {r['dose']} | {r.get('mechanism') or ''} | not run | | | | | | | "
                          f"{r.get('note', '')} |")
             continue
         ops = ", ".join(f"{op.removeprefix('mla_')} {x}" for op, x in r["kernel_by_op"].items())
         ci = f"{_pts(r.get('diff'))} [{_pts(r.get('lower'))}, {_pts(r.get('upper'))}]"
         lines.append(
-            f"| {r['dose']} | {r['mechanism']} | {r['gate']} | {r['accuracy']:.1%} | {ci} | "
+            f"| {r['dose']} | {r['mechanism']} | {r['gate']} | {r.get('n')} | {r['accuracy']:.1%} "
+            f"| {ci} | "
             f"{r.get('b')} / {r.get('c')} | {r['kernel_level']} ({ops}) | "
             f"{', '.join(r['checks']) or '-'} | {'control' if r['control'] else r['seen_by']} |")
     return "\n".join(lines) + "\n"

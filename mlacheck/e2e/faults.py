@@ -171,7 +171,7 @@ DOSES: tuple[Dose, ...] = (
       for d in (0.01, 0.05, 0.20)),
     *(Dose(f"perturb-all-{int(d * 100)}%", "row perturbation",
            f"every output row of every call x {1 + d:g}", _perturb_all(d))
-      for d in (0.01, 0.05, 0.20)),
+      for d in (0.01, 0.05, 0.20, 1.0)),
     Dose("drop-full-last-page", "paging",
          "decode: a full last page is not read (kv_last_page_lens = kv_len % page_size)",
          lambda inner, ps: DecodeOnlyTileDrop(inner, "drop-full-last-page", ps)),
