@@ -88,19 +88,20 @@ class TorchBackend:
         return torch.cat([r[0] for r in res]), torch.cat([r[1] for r in res])
 
     def _decode(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        case = inputs.case
-        rank = case.dims.kv_lora_rank
         q = inputs.q.dequant()
         qo = inputs.qo_indptr.tolist()
-        pf = p_format_for(case.quant.kv, self.numerics)
-        outs, lses = [], []
-        for r in range(len(case.requests)):
-            kv = inputs.pool.gather(r)
-            o, lse = flash_attend(q[qo[r] : qo[r + 1]], kv, kv[..., :rank], self.softmax_scale(case),
-                                  True, pf, self.numerics)
-            outs.append(o)
-            lses.append(lse)
-        return torch.cat(outs), torch.cat(lses)
+        pf = p_format_for(inputs.case.quant.kv, self.numerics)
+        res = [self._decode_request(inputs, r, q[qo[r] : qo[r + 1]], pf)
+               for r in range(len(inputs.case.requests))]
+        return torch.cat([o for o, _ in res]), torch.cat([lse for _, lse in res])
+
+    def _decode_request(self, inputs: DecodeInputs, r: int, q: torch.Tensor, p_format: str
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request r's queries over its latents, read through the page table (causal
+        bottom-right: MTP tokens see the keys up to their own)."""
+        kv = inputs.pool.gather(r)
+        return flash_attend(q, kv, kv[..., :inputs.case.dims.kv_lora_rank],
+                            self.softmax_scale(inputs.case), True, p_format, self.numerics)
 
     def _sparse(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         case = inputs.case

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from mlacheck.backends.base import Backend, Output
+from mlacheck.backends.base import Backend, Capability, Output
 from mlacheck.backends.faults._base import Wrapper, replace_inputs, with_table
 from mlacheck.backends.faults.boundary import TileMultipleDropsLast
 from mlacheck.backends.faults.fp8 import Fp8UnitScale
 from mlacheck.backends.faults.generic import LseBase2, PerturbRow
-from mlacheck.backends.numerics import flash_attend, p_format_for
+from mlacheck.backends.numerics import flash_attend
 from mlacheck.backends.torch_ref import TorchBackend, split_factory
 from mlacheck.inputs import DecodeInputs, Inputs
 from mlacheck.kvcache import PageTable
@@ -94,27 +94,18 @@ class TailTimesZero(TorchBackend):
     whole and multiplies its unused tail by P = 0 instead of masking it. Right when the
     tail holds finite values; NaN in the cache's free memory turns the request's output NaN."""
 
-    def capabilities(self):  # noqa: ANN201
+    def capabilities(self) -> dict[str, Capability]:
         return {op: c for op, c in super().capabilities().items() if op in DECODE}
 
-    def _decode(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        case = inputs.case
-        rank = case.dims.kv_lora_rank
-        q = inputs.q.dequant()
-        qo = inputs.qo_indptr.tolist()
-        pf = p_format_for(case.quant.kv, self.numerics)
-        outs, lses = [], []
-        for r in range(len(case.requests)):
-            kv = inputs.pool.gather(r, whole_pages=True)
-            n = int(inputs.table.kv_lens[r])
-            valid = torch.arange(kv.shape[0], device=kv.device) < n
-            # causal bottom-right from the live length: the query is the last live token
-            pos = torch.arange(qo[r + 1] - qo[r], device=kv.device) + n - (qo[r + 1] - qo[r])
-            o, lse = flash_attend(q[qo[r]:qo[r + 1]], kv, kv[..., :rank], case.softmax_scale,
-                                  True, pf, self.numerics, kv_valid=valid, q_positions=pos)
-            outs.append(o)
-            lses.append(lse)
-        return torch.cat(outs), torch.cat(lses)
+    def _decode_request(self, inputs: DecodeInputs, r: int, q: torch.Tensor, p_format: str
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = inputs.pool.gather(r, whole_pages=True)  # the tail too
+        n = int(inputs.table.kv_lens[r])
+        live = torch.arange(kv.shape[0], device=kv.device) < n  # P = 0 past the live tokens
+        pos = torch.arange(q.shape[0], device=kv.device) + n - q.shape[0]  # bottom-right
+        return flash_attend(q, kv, kv[..., :inputs.case.dims.kv_lora_rank],
+                            self.softmax_scale(inputs.case), True, p_format, self.numerics,
+                            kv_valid=live, q_positions=pos)
 
 
 class WrongDecodeScale(TorchBackend):
