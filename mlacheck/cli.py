@@ -500,8 +500,10 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--coverage", nargs="*", default=None, metavar="MATRIX",
                     help="show which boundary classes each matrix (default: all) covers, per op")
     ls.add_argument("--backend", "-b", action="append", default=None,
-                    help="with --coverage: also the classes each named backend executes here "
-                         "(its capabilities' SKIPs left out); repeatable or comma-separated")
+                    help="repeatable or comma-separated; with --json: only these backends, and "
+                         "no matrices (what a CI job checks before it runs); with --coverage: "
+                         "also the classes each named backend executes here (its capabilities' "
+                         "SKIPs left out)")
     ls.add_argument("--device", default="auto",
                     help="with --coverage --backend: the device whose capabilities count "
                          "(default auto)")
@@ -512,9 +514,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "usable / reason / version / capabilities, the matrices with their case "
                          "counts, the platform; what libraries print while imported goes to "
                          "stderr")
-    ls.add_argument("--backend", "-b", action="append",
-                    help="with --json: only these backends (repeatable or comma-separated), "
-                         "and no matrices: what a CI job checks before it runs")
 
     rp = sub.add_parser("replay", help="re-run exactly one case and print the full verdict",
                         description="Re-run one case (by id, from a case.json, or from the "
