@@ -23,7 +23,9 @@ What differs is read from the installed library: 0.7.x's MLA `plan` takes
 `scale_mode="kv-per-tensor"` (bf16 q over an fp8_e4m3fn cache, sm_90, per-tensor
 `ckv_scale` / `kpe_scale` in `run`); 0.2.x's fa2 paged prefill refuses K/V caches of
 different strides ("k/v strides must be identical", csrc/batch_prefill.cu), which K 192 and
-V 128 pools always are.
+V 128 pools always are; the fa3 (sm_90) paged prefill of both lines takes only head_dim_qk ==
+head_dim_vo (cudaErrorNotSupported otherwise, hopper/prefill_sm90.cuh; measured on the H100),
+so FlashInfer's paged prefill runs here with 0.7.x's fa2 only.
 
 FlashInfer returns the LSE in base 2 (log2 of the sum of exp): converted to the natural log
 here (x ln 2). The softmax scale is always passed. Every installed function is checked
@@ -211,6 +213,12 @@ class FlashInferBackend(LibraryAdapter):
         }
 
     def _paged_prefill_refusal(self, got: Loaded) -> str | None:
+        if self.kernel == "fa3":  # measured on the H100: every paged case raised this error
+            return (f"{got.version}: the sm_90 (fa3) paged prefill returns cudaErrorNotSupported "
+                    "('operation not supported') unless head_dim_qk == head_dim_vo "
+                    "(BatchPrefillWithPagedKVCacheDispatched, include/flashinfer/attention/"
+                    "hopper/prefill_sm90.cuh, read in 0.2.14.post1 and 0.7.2.post1); MLA's are "
+                    "192 and 128")
         if self.kernel == "fa2" and release(got.version) <= FA2_EQUAL_KV_STRIDES_UNTIL:
             return (f"{got.version}: the fa2 paged prefill requires identical K and V cache "
                     "strides ('k/v strides must be identical', csrc/batch_prefill.cu); K (192) "

@@ -261,6 +261,9 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
             k_cache, v_cache = paged_kv_cache
             if self.backend == "fa2" and not new_api:  # csrc/batch_prefill.cu (0.2.14)
                 assert k_cache.stride() == v_cache.stride(), "k/v strides must be identical"
+            if self.backend == "fa3" and a["dims"][0] != a["dims"][1]:  # hopper/prefill_sm90.cuh
+                raise RuntimeError("BatchPrefillWithPagedKVCacheSM90Run failed with error: "
+                                   "operation not supported")
             assert (k_cache.shape[-1], v_cache.shape[-1]) == a["dims"]
             out = torch.empty(*q.shape[:2], v_cache.shape[-1], dtype=q.dtype) if out is None else out
             lse_out = torch.empty(q.shape[:2], dtype=torch.float32)
