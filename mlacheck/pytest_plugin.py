@@ -180,10 +180,35 @@ def _share_cpu_threads(workers: int) -> None:
 
 
 def gpu_count() -> int:
-    """GPUs on the machine without initialising the CUDA/HIP context (nvidia-smi / /dev/dri)."""
+    """GPUs this process may use, without initialising the CUDA/HIP context: the machine's
+    (/sys/class/kfd, /proc/driver/nvidia), as many as HIP/ROCR/CUDA_VISIBLE_DEVICES leave
+    visible. Counting the machine's alone put 32 workers (8 per GPU x 4) on the one GPU that
+    CUDA_VISIBLE_DEVICES=0 left on a 4-GPU host: 45 inputs ran out of device memory."""
     override = os.environ.get("MLACHECK_NUM_GPUS")
     if override:
         return int(override)
+    on_machine = _machine_gpus()
+    visible = [_visible_count(os.environ[v]) for v in _VISIBLE_VARS if v in os.environ]
+    return min([on_machine, *visible]) if on_machine else 0
+
+
+# Each narrows what the next level sees (ROCm reads all three; CUDA the last).
+_VISIBLE_VARS = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+
+
+def _visible_count(value: str) -> int:
+    """Devices a *_VISIBLE_DEVICES value leaves: its entries up to the first invalid one
+    (the runtimes stop there; "" and "-1" hide every device)."""
+    n = 0
+    for entry in value.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        n += 1
+    return n
+
+
+def _machine_gpus() -> int:
     kfd = Path("/sys/class/kfd/kfd/topology/nodes")
     if kfd.is_dir():  # ROCm: nodes with a non-zero gfx target are GPUs
         n = 0

@@ -234,6 +234,29 @@ def test_default_workers_use_the_cores_the_memory_can_hold(monkeypatch) -> None:
     assert cli._default_workers("cuda") == 64  # 8 GPUs x 8
 
 
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, 4),
+    ({"CUDA_VISIBLE_DEVICES": "0"}, 1),
+    ({"CUDA_VISIBLE_DEVICES": "2,3"}, 2),
+    ({"HIP_VISIBLE_DEVICES": "0,1,2", "CUDA_VISIBLE_DEVICES": "0"}, 1),
+    ({"ROCR_VISIBLE_DEVICES": "1"}, 1),
+    ({"CUDA_VISIBLE_DEVICES": ""}, 0),
+    ({"CUDA_VISIBLE_DEVICES": "1,-1,2"}, 1),  # the runtime stops at the first invalid entry
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, 4),  # never more than the machine has
+])
+def test_gpu_count_is_what_the_visible_devices_leave(monkeypatch, env, expected) -> None:  # noqa: ANN001
+    """On a 4-GPU host with CUDA_VISIBLE_DEVICES=0 the default put 8 workers per GPU x 4 on the
+    one visible GPU (H200 x4, 2026-11-26: 45 inputs ran out of device memory)."""
+    from mlacheck import pytest_plugin
+
+    for var in ("MLACHECK_NUM_GPUS", *pytest_plugin._VISIBLE_VARS):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(pytest_plugin, "_machine_gpus", lambda: 4)
+    assert pytest_plugin.gpu_count() == expected
+
+
 def test_list_coverage_per_backend(capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 33: `list --coverage` was per matrix only, so it showed prefill classes covered
     that the default backend skips. With --backend it shows what each backend executes."""
