@@ -37,6 +37,7 @@ version goes into every Output's metadata. Capabilities are what was measured on
 from __future__ import annotations
 
 import inspect
+import math
 import re
 
 import torch
@@ -300,6 +301,9 @@ class FlashInferBackend(LibraryAdapter):
             f"top-k as paged attention at page size 1: the pool {tuple(pool.shape)} viewed as "
             f"{tuple(flat.shape)} tokens (no copy); one request per query token "
             f"({case.total_q}), kv_indices = its valid top-k global slots, causal off")}
+        empty = kv_lens == 0
+        if bool(empty.any()):
+            out.metadata["flashinfer"]["rows_without_keys"] = _fill_rows_without_keys(out, empty)
         return out
 
     def _prefill(self, got: Loaded, case: PrefillCase, inputs: PrefillInputs) -> Output:
@@ -346,6 +350,21 @@ class FlashInferBackend(LibraryAdapter):
 
 def factory() -> FlashInferBackend:
     return FlashInferBackend("fa2", "flashinfer")
+
+
+def _fill_rows_without_keys(out: Output, empty: torch.Tensor) -> str:
+    """Rows of the top-k composition whose index row holds no valid slot became requests
+    with no KV, which FlashInfer's MLA plan gives no work: their output and LSE rows are not
+    written (the LSE buffer is torch.empty; on the H100 the premerge `valid_cap: 0` case
+    read inf there). The composition is this adapter's, so it writes the contract's values
+    (output 0, LSE -inf) for exactly those rows and says what the kernel had left."""
+    rows = empty.nonzero().flatten().to(out.out.device)
+    left = out.lse[rows] if out.lse is not None else None
+    seen = "" if left is None else f"; LSE found there: {sorted(set(left.flatten().tolist()))[:4]}"
+    out.out[rows] = 0
+    if out.lse is not None:
+        out.lse[rows] = -math.inf
+    return f"{len(rows)} row(s) without a valid index: output 0 and LSE -inf written here{seen}"
 
 
 def fa3_factory() -> FlashInferBackend:
