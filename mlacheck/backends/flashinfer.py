@@ -37,7 +37,6 @@ version goes into every Output's metadata. Capabilities are what was measured on
 from __future__ import annotations
 
 import inspect
-import math
 import re
 
 import torch
@@ -49,6 +48,7 @@ from mlacheck.backends.toolkit import (
     Loaded,
     cuda_refusal,
     load_library,
+    lse_empty_rows,
     lse_natural,
     lse_tokens_heads,
     topk_to_global_slots,
@@ -112,6 +112,12 @@ PREFILL_FP8_REASON = {  # 0.2.x, measured on the H100
     "q_formats": "'fp8 tensor core is not supported in fa2 backend' (0.2.14.post1, measured)",
     "kv_formats": "'fp8 tensor core is not supported in fa2 backend' (0.2.14.post1, measured)",
 }
+# FlashInfer's "infinity" is finite: math::inf = 5e4 (include/flashinfer/math.cuh). A row that
+# sees no key (a request with kv_len 0, planned as zero-length work in MLAPlan) keeps its
+# initial m = -5e4, d = 1 (mla.cuh init_states_) and gets output 0 and LSE log2(1) - 5e4.
+# Converted to mlacheck's -inf on exactly those rows; on the H100 the premerge top-k case with
+# `valid_cap: 0` FAILed on it ("worst inf") before.
+NO_KEY_LSE_BASE2 = torch.tensor([-5e4])
 # The last release line whose fa2 paged prefill requires identical K and V strides (read in
 # 0.2.14.post1's csrc/batch_prefill.cu; 0.7.2's batch_prefill_paged.cuh takes unequal ones).
 FA2_EQUAL_KV_STRIDES_UNTIL = (0, 2)
@@ -275,6 +281,9 @@ class FlashInferBackend(LibraryAdapter):
                                ckv_cache=cache[..., :rank], kpe_cache=cache[..., rank:],
                                out=inputs.out.out, return_lse=True, **run_extra)
         lse = lse_tokens_heads(lse_natural(lse, LSE_BASE), case.total_q, case.num_heads)
+        no_key = torch.repeat_interleave(kv_lens == 0, qo_indptr.diff().to(kv_lens.device))
+        if bool(no_key.any()):
+            lse = lse_empty_rows(lse, no_key, float(lse_natural(NO_KEY_LSE_BASE2, LSE_BASE)))
         return Output(out, lse, wrote_into_guarded=out.data_ptr() == inputs.out.out.data_ptr())
 
     def _decode(self, got: Loaded, case: DecodeCase, inputs: DecodeInputs) -> Output:
@@ -301,9 +310,6 @@ class FlashInferBackend(LibraryAdapter):
             f"top-k as paged attention at page size 1: the pool {tuple(pool.shape)} viewed as "
             f"{tuple(flat.shape)} tokens (no copy); one request per query token "
             f"({case.total_q}), kv_indices = its valid top-k global slots, causal off")}
-        empty = kv_lens == 0
-        if bool(empty.any()):
-            out.metadata["flashinfer"]["rows_without_keys"] = _fill_rows_without_keys(out, empty)
         return out
 
     def _prefill(self, got: Loaded, case: PrefillCase, inputs: PrefillInputs) -> Output:
@@ -350,21 +356,6 @@ class FlashInferBackend(LibraryAdapter):
 
 def factory() -> FlashInferBackend:
     return FlashInferBackend("fa2", "flashinfer")
-
-
-def _fill_rows_without_keys(out: Output, empty: torch.Tensor) -> str:
-    """Rows of the top-k composition whose index row holds no valid slot became requests
-    with no KV, which FlashInfer's MLA plan gives no work: their output and LSE rows are not
-    written (the LSE buffer is torch.empty; on the H100 the premerge `valid_cap: 0` case
-    read inf there). The composition is this adapter's, so it writes the contract's values
-    (output 0, LSE -inf) for exactly those rows and says what the kernel had left."""
-    rows = empty.nonzero().flatten().to(out.out.device)
-    left = out.lse[rows] if out.lse is not None else None
-    seen = "" if left is None else f"; LSE found there: {sorted(set(left.flatten().tolist()))[:4]}"
-    out.out[rows] = 0
-    if out.lse is not None:
-        out.lse[rows] = -math.inf
-    return f"{len(rows)} row(s) without a valid index: output 0 and LSE -inf written here{seen}"
 
 
 def fa3_factory() -> FlashInferBackend:

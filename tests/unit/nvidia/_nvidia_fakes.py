@@ -183,12 +183,13 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
             ckv_s = 1.0 if bug == "ignores-kv-scale" else new.get("ckv_scale", 1.0)
             q = torch.cat([q_nope, q_pe], -1)
             out = torch.empty(*q_nope.shape, dtype=q.dtype) if out is None else out
-            # rows of a request with no KV get no work from the plan and stay unwritten (the
-            # library's torch.empty LSE: the H100 showed inf there)
-            lse_out = torch.full(q.shape[:2], math.inf, dtype=torch.float32)
+            lse_out = torch.empty(q.shape[:2], dtype=torch.float32)
             for r, n in enumerate(a["lens"]):
                 lo, hi = a["qo"][r], a["qo"][r + 1]
-                if hi == lo or n == 0:
+                if hi == lo:
+                    continue
+                if n == 0:  # mla.cuh: m stays at -math::inf = -5e4 (finite), d = 1, output 0
+                    out[lo:hi], lse_out[lo:hi] = 0, -5e4
                     continue
                 pages = a["kvi"][a["kvp"][r]: a["kvp"][r + 1]]
                 kv = torch.cat([_take(ckv_cache, pages).float() * ckv_s,

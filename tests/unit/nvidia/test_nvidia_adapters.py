@@ -213,8 +213,6 @@ def test_flashinfer_topk_decode_runs_as_page_size_1_over_a_view_of_the_pool(
     assert v.status == "PASS", v.reason
     view = v.implementation["flashinfer"]["view"]
     assert "page size 1" in view and "no copy" in view and f"({case.total_q})" in view
-    if case.valid_cap == 0:  # the kernel leaves such rows unwritten: the adapter fills them
-        assert "LSE -inf written here" in v.implementation["flashinfer"]["rows_without_keys"]
 
 
 def test_flashinfer_topk_decode_with_a_planted_fault_fails(monkeypatch: pytest.MonkeyPatch) -> None:
