@@ -150,6 +150,22 @@ def quantize(
     return y.to(f.dtype)
 
 
+# A KV cache written under a fixed scale (calibrated, or fixed at prefill) gets later tokens
+# larger than the scale covers. Serving engines' cache writes saturate them: vLLM's
+# scaled_vec_conversion is `__nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, ...)`
+# (csrc/quantization/fp8/nvidia/quant_utils.cuh). torch's own cast does not promise that:
+# CPU torch 2.13 saturates e4m3fn, the CUDA cast of the GPU machine's torch 2.11 gave NaN
+# (every FP8 e2e run on the H100 at 0%, docs/e2e.md §7), e4m3fnuz gives NaN everywhere.
+CACHE_WRITE_OVERFLOW: OverflowPolicy = "saturate"
+
+
+def quantize_cache_write(x: torch.Tensor, name: str, scale: torch.Tensor | float) -> torch.Tensor:
+    """x stored in a KV cache of format `name` under its fixed dequantisation scale, values
+    beyond the format's range saturated as a serving engine's cache write does (the same on
+    every device and torch build)."""
+    return quantize(x, name, scale, CACHE_WRITE_OVERFLOW)
+
+
 def overflow_threshold(name: str) -> float:
     """Smallest magnitude that does not round onto the format's max (max + half an ulp there)."""
     f = fmt(name)

@@ -304,9 +304,10 @@ def quantise_with_scale(
     x: torch.Tensor, fmt_name: str, scale: torch.Tensor | float, device: torch.device | str
 ) -> Quantised:
     """`x` stored in `fmt_name` under a given dequantisation scale (e.g. a KV cache's fixed
-    per-layer scale) instead of one picked from `x` itself."""
+    per-layer scale) instead of one picked from `x` itself; what the scale does not cover
+    saturates, as the cache write does (`fp8.quantize_cache_write`)."""
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    stored = fp8.quantize(x, fmt_name, s)
+    stored = fp8.quantize_cache_write(x, fmt_name, s)
     return Quantised(stored.to(device), s.to(device), fmt_name, x.float().to(device))
 
 

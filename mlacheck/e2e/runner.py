@@ -19,7 +19,9 @@ poisoned free ones by default), the prompt latents are written by `kvcache.build
 unwritten slots hold NaN poison), and every decode step writes the new token into its slot
 and hands the backend a `PageTable` of the pages in use. With an FP8 KV format the per-layer
 dequantisation scale is fixed at prefill (amax of the prompt latents, or 1 with unit scales):
-later tokens are quantised with it, as a cache with a calibrated scale does.
+later tokens are quantised with it, as a cache with a calibrated scale does, and what it does
+not cover saturates, as a serving engine's cache write does (`fp8.quantize_cache_write`; a
+plain torch cast gave NaN on CUDA, and every FP8 run answered nothing).
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ class PagedLatentCache:
         q = self.att.quant
         allv = torch.cat([t.float() for t in per_request])
         scale = fp8.pick_scale(allv, self.fmt, q.scale, False)
-        stored = [fp8.quantize(t.float(), self.fmt, scale)[:, None, :] for t in per_request]
+        stored = [fp8.quantize_cache_write(t.float(), self.fmt, scale)[:, None, :]
+                  for t in per_request]
         pool = kvcache.build_pool(
             stored,
             self.table,
@@ -140,7 +143,7 @@ class PagedLatentCache:
             ],
             device=self.device,
         )
-        stored = fp8.quantize(lat.float(), self.fmt, self.scales[layer])
+        stored = fp8.quantize_cache_write(lat.float(), self.fmt, self.scales[layer])
         bits = fp8.int_dtype(stored.dtype)
         pool.data.view(bits).view(-1, self.latent).index_copy_(0, slots, stored.view(bits))
         idx_r = torch.tensor(list(rows), device=self.device)

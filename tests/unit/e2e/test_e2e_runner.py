@@ -6,16 +6,17 @@ import pytest
 import torch
 from _e2e_helpers import tiny_model
 
+from mlacheck import fp8
 from mlacheck.backends.base import Capability
 from mlacheck.backends.torch_ref import TorchBackend
 from mlacheck.e2e.config import E2EError
 from mlacheck.e2e.model import math_attention
-from mlacheck.e2e.runner import AttentionConfig, MLARunner
+from mlacheck.e2e.runner import AttentionConfig, MLARunner, PagedLatentCache
 from mlacheck.golden import decode as golden_decode
 from mlacheck.golden import prefill as golden_prefill
-from mlacheck.inputs import DecodeInputs, PrefillInputs
+from mlacheck.inputs import DecodeInputs, PrefillInputs, decode_inputs_from_tensors
 from mlacheck.kvcache import free_pages
-from mlacheck.spec import DecodeCase, Placement, PrefillCase, Quant
+from mlacheck.spec import DecodeCase, Placement, PrefillCase, Quant, Request
 
 FP32 = Quant(q="fp32", kv="fp32")
 PROMPTS = [[1, 5, 7, 9, 11, 13, 40], [1, 3], [1, *range(20, 60)], [1, 8, 8, 8]]
@@ -109,6 +110,42 @@ def test_latents_written_at_decode_land_in_their_slots() -> None:
     runner = MLARunner(model, TorchBackend(), AttentionConfig(quant=quant, page_size=4), observe)
     out = runner.generate(PROMPTS, 4)
     assert len(checked) == 2 * 3 and all(len(o) == 4 for o in out)
+
+
+def test_a_decode_token_beyond_the_prefill_scale_saturates_in_the_fp8_cache(monkeypatch) -> None:  # noqa: ANN001
+    """The FP8 cache's scale is fixed at prefill; a later token larger than the prompts' amax
+    is stored saturated (a serving engine's cache write), in the pool and in the inputs the
+    golden reads, whatever torch's own cast does. Here torch's cast is made to do what the
+    H100's (torch 2.11, CUDA) did: NaN above the range, which took every FP8 e2e run to 0%."""
+    real = fp8.quantize
+
+    def cuda_cast(x, name, scale=1.0, policy="torch"):  # noqa: ANN001, ANN202
+        return real(x, name, scale, "nan" if policy == "torch" else policy)
+
+    monkeypatch.setattr(fp8, "quantize", cuda_cast)
+    model = tiny_model()
+    dims, heads = model.config.mla_dims, model.config.num_attention_heads
+    quant = Quant(q="bf16", kv="fp8_e4m3fn", scale="amax")
+    att = AttentionConfig(quant=quant, page_size=4)
+    cache = PagedLatentCache(1, [3, 6], dims.latent, att, torch.device("cpu"),
+                             torch.Generator().manual_seed(0))
+    cache.fill(0, [torch.ones(2, dims.latent), -torch.ones(3, dims.latent)])  # amax 1
+    big = torch.full((2, dims.latent), 3.0)
+    big[1] = -3.0
+    cache.append(0, [0, 1], [2, 3], big)  # 3x what the scale covers
+    kv_lens = [3, 4]
+    pool = cache.pool_view(0, cache.step_table([0, 1], kv_lens))
+    for r, sign in ((0, 1.0), (1, -1.0)):
+        got = pool.gather(r)
+        assert bool(torch.isfinite(got).all()), "the cache write overflowed to NaN"
+        torch.testing.assert_close(got[-1], torch.full_like(got[-1], sign), rtol=0, atol=0)
+    case = DecodeCase(requests=tuple(Request(1, n) for n in kv_lens), num_heads=heads,
+                      page_size=4, quant=quant, placement=att.placement, dims=dims)
+    q = torch.zeros(2, heads, dims.latent)
+    kv = [cache.ideal[0][r, :n] for r, n in enumerate(kv_lens)]
+    inputs = decode_inputs_from_tensors(case, q, kv, "cpu", pool=pool)
+    for r in range(2):  # the golden reads exactly what the kernel reads
+        torch.testing.assert_close(inputs.kv[r].dequant(), pool.gather(r), rtol=0, atol=0)
 
 
 def test_eos_and_stop_end_sequences() -> None:
