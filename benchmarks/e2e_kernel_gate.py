@@ -166,7 +166,10 @@ def cmd_table(args: argparse.Namespace) -> int:
                                             str(rec_path), "--margin-points",
                                             str(args.margin_points), "--out-dir", str(cmp_dir)])
             row["compare_rc"] = rc
-            row["verdict"] = stdout.strip().splitlines()[-1] if stdout.strip() else ""
+            # the compare's verdict line ("PASS gsm8k ..." / "FAIL gsm8k ..."), not "report: ..."
+            said = stdout.strip().splitlines()
+            row["verdict"] = next((ln for ln in said if ln.startswith(("PASS", "FAIL"))),
+                                  said[-1] if said else "")
             if rc == 2:
                 ok = False
                 row["verdict"] = stderr.strip()[-300:]
@@ -198,17 +201,34 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [f"Baseline: {args.baseline}; margin {args.margin_points:g} points "
              "(paired non-inferiority, one-sided alpha 0.05).", "",
              "| run | decode / prefill | q / KV | page | free memory | run exit | s | "
-             "accuracy | compare exit: verdict |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "accuracy | b / c | lower bound (pts) | invalid | compare exit: verdict | "
+             "detectable drop (pts) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = f"{r['accuracy']:.1%}" if "accuracy" in r else ""
-        verdict = (f"{r['compare_rc']}: {r['verdict']}" if "compare_rc" in r
+        verdict = (f"{r['compare_rc']}: {_verdict(r)}" if "compare_rc" in r
                    else r.get("status") or "")
         secs = f"{r['seconds']:.0f}" if r.get("seconds") is not None else ""
+        cmp, bc, lower, invalid, drop = r.get("compare"), "", "", "", ""
+        if cmp:
+            p = cmp["primary"]
+            bc, lower = f"{p['b']} / {p['c']}", f"{100 * p['difference']['lower']:+.2f}"
+            invalid = f"{cmp['invalid_count']}/{p['n_candidate']}"
+            drop = f"{100 * p['min_detectable_drop']:.2f}"
         lines.append(f"| {r['name']} | {r['decode']} / {r['prefill']} | {r['q']} / {r['kv']} | "
                      f"{r['page_size']} | {r['tail_poison']} | {r['rc']} | {secs} | {acc} | "
-                     f"{verdict} |")
+                     f"{bc} | {lower} | {invalid} | {verdict} | {drop} |")
     return "\n".join(lines) + "\n"
+
+
+def _verdict(row: dict[str, Any]) -> str:
+    """PASS, or FAIL with the compare's failed checks; else what the compare said."""
+    cmp = row.get("compare")
+    if not cmp:
+        return row.get("verdict") or ""
+    if cmp["passed"]:
+        return "PASS"
+    return "FAIL (" + ", ".join(c["name"] for c in cmp["checks"] if not c["passed"]) + ")"
 
 
 def main(argv: list[str] | None = None) -> int:

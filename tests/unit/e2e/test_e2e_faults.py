@@ -173,6 +173,10 @@ def test_kernel_gate_driver_runs_compares_and_keeps_every_exit_code(tmp_path: Pa
     ref = rows["torch-bf16-p16"]
     assert ref["rc"] == 0 and ref["compare_rc"] in (0, 1) and ref["compare"]["primary"]["b"] == 0
     assert rows["flashinfer-bf16-p16"]["status"] == "not started: budget spent"
-    assert "| flashinfer-bf16-p16 | flashinfer / torch |" in (out / "kernel_gate.md").read_text()
+    md = (out / "kernel_gate.md").read_text()
+    assert "| flashinfer-bf16-p16 | flashinfer / torch |" in md
+    # the verdict column says the verdict (PASS, or FAIL and the failed checks), not a path
+    said = "0: PASS" if ref["compare_rc"] == 0 else "1: FAIL ("
+    assert f"| {said}" in md and "report:" not in md
     with pytest.raises(SystemExit, match="unknown runs: nope"):
         gate.main([*common, "--runs", "nope"])
