@@ -4,8 +4,8 @@
             [--backend B ...] [--require-ops OPS] [--min-executed F] [--allow-xpass] [--shards]
         One screen of a results file: totals, counts per backend x op x status, the failures
         one line each (status, backend, op, case, reason and where), the biggest SKIP groups,
-        and the gate's result. Exit: the gate's code (mlacheck.outcome, README "Exit codes":
-        0 pass, 1 FAIL/CRASH/XPASS, 3 suite error, 6 not enough ran), 2 no verdicts.
+        and the gate's result. Exit: the gate's code (mlacheck.session.outcome, README "Exit
+        codes": 0 pass, 1 FAIL/CRASH/XPASS, 3 suite error, 6 not enough ran), 2 no verdicts.
     python3 ci/mlacheck_ci.py plan LISTING --platform rocm|cuda|none --out FILE
             [--backends "A B"] [--optional "C D"]
         Which backends a CI job runs, from `mlacheck list --json` (LISTING; never its human
@@ -44,7 +44,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-EXIT_OK, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+EXIT_OK, EXIT_ERROR = 0, 2
 MAX_FAILURE_LINES = 20  # one screen: the rest are in report.md / report.html
 MAX_SKIP_LINES = 6
 REASON_WIDTH = 220
@@ -77,21 +77,24 @@ def render_summary(
     verdicts: list, unparsable: int, title: str, notes: Sequence[str], outcome: object = None,
     expected: int = 0, missing: int | None = None,
 ) -> tuple[str, str, int]:
-    """(screen text, markdown, exit code) for a list of verdicts and the gate's outcome."""
-    from mlacheck.outcome import EXIT_OK
+    """(screen text, markdown, exit code) for a list of verdicts and the gate's outcome
+    (mlacheck.session.outcome; without one, the gate's decision over the verdicts alone)."""
     from mlacheck.report.summary import summarise
+    from mlacheck.session import RunRequest
+    from mlacheck.session import outcome as gate_outcome
     from mlacheck.verdict import CRASH, FAIL
 
+    if outcome is None:
+        outcome = gate_outcome(verdicts, RunRequest())
     s = summarise(verdicts, unparsable, expected=expected, missing=missing)
     statuses = s.statuses
     rows = [(b, op, [c.get(st, 0) for st in statuses]) for (b, op), c in s.counts.items()]
     wb = max([len("backend")] + [len(b) for b, _, _ in rows])
     wo = max([len("op")] + [len(op) for _, op, _ in rows])
     wc = [max(len(st), 5) for st in statuses]
-    code = outcome.code if outcome is not None else (  # type: ignore[attr-defined]
-        EXIT_FAIL if s.by_status.get(FAIL, 0) + s.by_status.get(CRASH, 0) else EXIT_OK)
-    verdict = RESULT_WORDS.get(code, "ERROR")
-    why = list(getattr(outcome, "lines", []) or [])
+    code = outcome.code  # type: ignore[attr-defined]
+    verdict = outcome.word  # type: ignore[attr-defined]
+    why = list(outcome.lines)  # type: ignore[attr-defined]
 
     screen = [f"== {title} ==", s.total_line()]
     screen += [f"note: {n}" for n in notes]
@@ -164,19 +167,14 @@ def run_notes(path: Path) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-# The one-word result of each gate exit code (mlacheck.outcome).
-RESULT_WORDS = {0: "PASS", 1: "FAIL", 3: "SUITE ERROR", 6: "NOT ENOUGH RAN"}
-
-
 def _md_escape(text: str) -> str:
     return text.replace("`", "'").replace("|", "\\|")
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
     from mlacheck.backends.registry import resolve
-    from mlacheck.outcome import CoveragePolicy
-    from mlacheck.pytest_plugin import gate_outcome, split_backends
     from mlacheck.report.load import read_results
+    from mlacheck.session import RunRequest, outcome
 
     path = Path(args.results)
     if not path.is_file():
@@ -184,19 +182,20 @@ def cmd_summary(args: argparse.Namespace) -> int:
     loaded = read_results(path)
     if not loaded.verdicts:
         return _error(f"no verdicts in {path} (the run recorded nothing)")
-    ops = tuple(o.strip() for o in args.require_ops.split(",") if o.strip())
-    names = [resolve(b).name for b in split_backends(args.backend)]
-    incomplete = []
+    request = RunRequest.parse(backends=args.backend, require_ops=args.require_ops,
+                               min_executed=args.min_executed, allow_xpass=args.allow_xpass,
+                               ).resolved(lambda b: resolve(b).name)
+    incomplete: list[str] = []
     if args.shards:  # a merged file: every shard of its run must be in it
         from mlacheck import merge, shard
 
         incomplete = shard.join([merge.shard_file(path)]).problems
-        names = names or merge.header_backends(path)
-    outcome = gate_outcome(path, names,
-                           CoveragePolicy(ops, args.min_executed, args.allow_xpass), incomplete)
+        if not request.backends:
+            request = request.named(merge.header_backends(path))
     notes = [*(args.note or []), *run_notes(path)]
     screen, md, code = render_summary(loaded.verdicts, loaded.skipped, args.title, notes,
-                                      outcome, loaded.expected, loaded.missing)
+                                      outcome(path, request, incomplete=incomplete),
+                                      loaded.expected, loaded.missing)
     sys.stdout.write(screen)
     if args.md:
         Path(args.md).parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,8 @@
 
 `run` is a thin layer over pytest.main with the mlacheck plugin (never a second runner).
 Bad input (unknown backend, malformed matrix, impossible case) is one line on stderr and
-exit code 2, never a traceback.
+exit code 2, never a traceback. The options become one mlacheck.session.RunRequest and the
+exit code is mlacheck.session.outcome's, here as under plain pytest.
 """
 
 from __future__ import annotations
@@ -17,34 +18,15 @@ from pathlib import Path
 from types import FrameType
 
 from mlacheck.errors import OneLineParser, UsageError
-from mlacheck.outcome import (
-    EXIT_INTERNAL_ERROR,
-    EXIT_KERNEL_FAILURE,
-    EXIT_NOT_ENOUGH_RAN,
-    EXIT_NOTHING_COLLECTED,
-    EXIT_OK,
-    EXIT_USAGE,
-    exit_meaning,
-)
+from mlacheck.outcome import EXIT_OK, EXIT_PYTEST_USAGE, EXIT_USAGE, exit_meaning
 
 DEFAULT_RESULTS = "mlacheck-out/results.jsonl"
-# pytest's exit code -> mlacheck run's (README "Exit codes"): pytest's usage error is ours
-# (2); an interrupted run did not run everything (6); the rest is already the gate's code.
-PYTEST_INTERRUPTED, PYTEST_INTERNAL_ERROR, PYTEST_USAGE = 2, 3, 4
-
-
-def _exit_code(pytest_code: int, session_ended: bool = True) -> int:
-    """`session_ended`: pytest reached its session end, where the plugin sets the gate's code
-    (its 3 is a suite error, and it turns pytest's INTERNALERROR into 7); before that, a 3 is
-    pytest's own internal error."""
-    if pytest_code == PYTEST_INTERNAL_ERROR and not session_ended:
-        return EXIT_INTERNAL_ERROR
-    return {PYTEST_INTERRUPTED: EXIT_NOT_ENOUGH_RAN, PYTEST_USAGE: EXIT_USAGE}.get(pytest_code,
-                                                                                 pytest_code)
+PYTEST_INTERRUPTED = 2  # pytest.ExitCode.INTERRUPTED (pytest is imported only to run)
 
 
 class _SessionEnd:
-    """A pytest plugin that notes whether the session reached its end (see _exit_code)."""
+    """A pytest plugin that notes whether the session reached its end, where the mlacheck
+    plugin sets the gate's code."""
 
     reached = False
 
@@ -84,25 +66,15 @@ def _suite_path() -> str:
 
 def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     from mlacheck import results as results_file
-    from mlacheck.backends.registry import DEFAULT_BACKENDS, resolve
     from mlacheck.matrices import load
     from mlacheck.preflight import check_expression, check_output_file, resolve_device
-    from mlacheck.pytest_plugin import distinct_backends, split_backends
-    from mlacheck.spec import OPS
 
-    specs = split_backends(args.backend) or list(DEFAULT_BACKENDS)
-    name_of = {b: resolve(b).name for b in specs}  # validate before pytest starts: exit 2
-    backends = distinct_backends(specs, name_of.__getitem__)  # one spelling per backend
-    names = [name_of[b] for b in backends]
+    request = _request(args)  # every backend resolved before pytest starts: exit 2
+    backends, policy = request.backends, request.policy
     check_expression("-k", args.k)  # under xdist a bad one was an INTERNALERROR
     check_expression("-m", args.m)
-    device = resolve_device(args.device)
-    matrix = load(args.matrix, args.seed)
-    for op in _ops(args.require_ops):
-        if op not in OPS:
-            raise UsageError(f"--require-ops: unknown op {op!r}; ops: {', '.join(OPS)}")
-    if not 0.0 <= args.min_executed <= 1.0:
-        raise UsageError("--min-executed must be a fraction in 0..1")
+    device = resolve_device(request.device)
+    matrix = load(request.matrix, request.seed)
     shard = None
     if args.shard:
         from mlacheck import shard as shard_mod
@@ -111,11 +83,11 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     results = check_output_file(args.results, "results file")
     if args.junit:
         check_output_file(args.junit, "JUnit XML file")
-    unusable = _unusable(backends, name_of)
+    unusable = _unusable(request)
     if unusable:  # a requested backend is required: the run does not start without it
-        from mlacheck.outcome import decide
+        from mlacheck.session import outcome
 
-        out = decide([], unusable=unusable)
+        out = outcome([], request, unusable=unusable)
         for line in out.lines:
             print(f"mlacheck: not run: {line}", file=sys.stderr)
         return out.code
@@ -142,22 +114,23 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         # itself at the terminal summary, in the controller and again in each worker
         # (measured: 7.9 s of an 22 s two-item run under load), anyio's at start (2.5 s)
         "-p", "no:hypothesispytest", "-p", "no:anyio",
-        f"--mla-matrix={args.matrix}", f"--mla-device={device}", f"--mla-golden={args.golden}",
+        f"--mla-matrix={request.matrix}", f"--mla-device={device}",
+        f"--mla-golden={request.golden}",
         f"--mla-results={results}", f"--timeout={args.timeout}",
         f"-n={workers}", f"--max-worker-restart={max(4, len(matrix.cases) * len(backends))}",
         "--rootdir", str(Path.cwd()),
     ]
     argv += _plugin_args()
     argv += [f"--mla-backend={b}" for b in backends]
-    if args.seed is not None:
-        argv.append(f"--mla-seed={args.seed}")
+    if request.seed is not None:
+        argv.append(f"--mla-seed={request.seed}")
     if leave_out is not None:
         argv.append(f"--mla-leave-out={leave_out}")
-    if args.require_ops:
-        argv.append(f"--mla-require-ops={args.require_ops}")
-    if args.min_executed:
-        argv.append(f"--mla-min-executed={args.min_executed}")
-    if args.allow_xpass:
+    if policy.require_ops:
+        argv.append(f"--mla-require-ops={','.join(policy.require_ops)}")
+    if policy.min_executed:
+        argv.append(f"--mla-min-executed={policy.min_executed}")
+    if policy.allow_xpass:
         argv.append("--mla-allow-xpass")
     if shard is not None:
         argv.append(f"--mla-shard={shard}")
@@ -178,26 +151,22 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     end = _SessionEnd()
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        raw = int(pytest.main(argv, plugins=[end]))
+        code = int(pytest.main(argv, plugins=[end]))
     finally:
         signal.signal(signal.SIGTERM, previous)
-    code = _exit_code(raw, end.reached)
-    if raw == PYTEST_INTERRUPTED:  # the plugin turns it into the gate's code once items ran
-        print(f"mlacheck gate: exit {code} ({exit_meaning(code)})\n"
-              "  INCOMPLETE: the run was interrupted before any item was selected")
-    if code in (EXIT_OK, EXIT_KERNEL_FAILURE, EXIT_NOTHING_COLLECTED) and _has_verdicts(results):
-        # the gate reads the whole file: lines from before a --resume count too, also when
-        # nothing was left to run
-        from mlacheck.outcome import CoveragePolicy
-        from mlacheck.pytest_plugin import gate_outcome
+    if code == EXIT_PYTEST_USAGE:  # pytest said why (an extra argument): mlacheck's usage code
+        code = EXIT_USAGE
+    elif not end.reached:
+        # pytest stopped before its session end, where the plugin sets the gate's code: an
+        # interrupt or an internal error while starting; the gate, from what is on record
+        from mlacheck.session import outcome
 
-        outcome = gate_outcome(results, names, CoveragePolicy(
-            tuple(_ops(args.require_ops)), args.min_executed, args.allow_xpass))
-        if outcome.code != code:
-            print(f"mlacheck gate: exit {outcome.code} ({exit_meaning(outcome.code)})")
-            for line in outcome.lines:
-                print(f"  {line}")
-        code = outcome.code
+        out = outcome(results, request, interrupted=code == PYTEST_INTERRUPTED,
+                      internal_error=code != PYTEST_INTERRUPTED)
+        code = out.code
+        print(f"mlacheck gate: exit {code} ({exit_meaning(code)})")
+        for line in out.lines:
+            print(f"  {line}")
     if args.report and results.exists():
         from mlacheck.report import main as report_main
 
@@ -205,27 +174,30 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     return code
 
 
-def _unusable(backends: list[str], name_of: dict[str, str]) -> dict[str, str]:
+def _unusable(request) -> dict[str, str]:  # noqa: ANN001 - mlacheck.session.RunRequest
     """{name: why} of the requested backends that are not usable here (mlacheck list's
     verdict: the library is missing, its API does not fit, its probe failed)."""
     from mlacheck.inventory import backend_status
 
     found = {}
-    for spec in backends:
+    for spec, name in zip(request.backends, request.names, strict=True):
         status = backend_status(spec)
         if not status.usable:
-            found[name_of[spec]] = status.reason or "not usable"
+            found[name] = status.reason or "not usable"
     return found
 
 
-def _has_verdicts(path: Path) -> bool:
-    from mlacheck import results as results_file
+def _request(args: argparse.Namespace):  # noqa: ANN202 - mlacheck.session.RunRequest
+    """The run's options, parsed and checked once, each backend resolved (exit 2 if not)."""
+    from mlacheck.backends.registry import DEFAULT_BACKENDS, resolve
+    from mlacheck.session import RunRequest
 
-    return path.exists() and bool(results_file.read_raw(path).records)
-
-
-def _ops(value: str) -> list[str]:
-    return [o.strip() for o in (value or "").split(",") if o.strip()]
+    return RunRequest.parse(
+        backends=args.backend, default_backends=DEFAULT_BACKENDS, matrix=args.matrix,
+        device=args.device, golden=args.golden, seed=args.seed,
+        require_ops=args.require_ops, min_executed=args.min_executed,
+        allow_xpass=args.allow_xpass,
+    ).resolved(lambda b: resolve(b).name)
 
 
 # Peak resident memory of one CPU worker over the premerge matrix (the largest decode case's
@@ -247,7 +219,7 @@ def _default_workers(device: str) -> int:
     many as the free memory holds: measured on 2 cores, premerge 40.4 s with one worker,
     29.4 s with two. On GPUs, CORES_PER_GPU_WORKER cores each, at most GPU_WORKERS_MAX per GPU
     and at least one, as many as the host memory holds."""
-    from mlacheck.pytest_plugin import gpu_count
+    from mlacheck.preflight import gpu_count
 
     gpus = 0 if device == "cpu" else gpu_count()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -284,10 +256,10 @@ def cmd_list(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.json:
         from mlacheck.processes import machine_stdout
-        from mlacheck.pytest_plugin import split_backends
+        from mlacheck.session import split_names
 
         with machine_stdout() as out:  # what libraries print while probed goes to stderr
-            out.write(json.dumps(inventory.listing(split_backends(args.backend)), indent=1)
+            out.write(json.dumps(inventory.listing(list(split_names(args.backend))), indent=1)
                       + "\n")
         return EXIT_OK
     from mlacheck.backends.faults import PREFIX
@@ -321,9 +293,9 @@ def _print_coverage(matrices: list[str], backends: list[str] | None = None,
     from mlacheck.backends.registry import resolve
     from mlacheck.matrices import load, names
     from mlacheck.preflight import resolve_device
-    from mlacheck.pytest_plugin import split_backends
+    from mlacheck.session import split_names
 
-    chosen = [resolve(b) for b in split_backends(backends)]
+    chosen = [resolve(b) for b in split_names(backends)]
     where = resolve_device(device) if chosen else ""
     for name in matrices or names():
         m = load(name)
@@ -386,18 +358,23 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from mlacheck.backends.registry import DEFAULT_BACKENDS, resolve
     from mlacheck.harness import RunOptions, run_case
     from mlacheck.preflight import resolve_device
-    from mlacheck.pytest_plugin import split_backends
+    from mlacheck.session import RunRequest, outcome
+
     case = find_case(args.case)
-    backends = [resolve(b) for b in split_backends([args.backend] if args.backend else None)
-                or DEFAULT_BACKENDS]
-    device = resolve_device(args.device)
+    request = RunRequest.parse(backends=args.backend, default_backends=DEFAULT_BACKENDS,
+                               device=args.device, golden=args.golden)
+    resolved = {b: resolve(b) for b in request.backends}
+    request = request.resolved(lambda b: resolved[b].name)
+    backends = [resolved[b] for b in request.backends]
+    device = resolve_device(request.device)
     too_big = footprint.does_not_fit(case, device)
     if too_big:
         raise UsageError(f"{case.id}: {too_big}")
     print("case:", case.to_json())
-    code = EXIT_OK
+    verdicts = []
     for backend in backends:
-        v = run_case(case, backend, RunOptions(device, args.golden))
+        v = run_case(case, backend, RunOptions(device, request.golden))
+        verdicts.append(v)
         print(v.summary())
         if v.known_failure:
             print(f"  known failure ({v.known_rule}): {v.known_failure}")
@@ -406,13 +383,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(json.dumps({"checks": checks, "timings": v.timings,
                           "metrics": {k: x for k, x in v.metrics.items() if k != "heatmap"}},
                          indent=1, default=str))
-        if v.kernel_failed:
-            code = EXIT_KERNEL_FAILURE
-        elif v.is_suite_error and code == EXIT_OK:
-            from mlacheck.outcome import EXIT_SUITE_ERROR
-
-            code = EXIT_SUITE_ERROR
-    return code
+    out = outcome(verdicts, request)  # the gate's meaning, as for a run of this one case
+    if out.code != EXIT_OK:
+        print(f"mlacheck gate: exit {out.code} ({exit_meaning(out.code)})")
+        for line in out.lines:
+            print(f"  {line}")
+    return out.code
 
 
 # --------------------------------------------------------------------------- main
@@ -519,7 +495,10 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Re-run one case (by id, from a case.json, or from the "
                                     "`case` field of a results line) against backends and "
                                     "print each verdict in full: checks, locations, metrics. "
-                                    "Exit 1 when a backend FAILs or CRASHes.")
+                                    "Exit codes as for `mlacheck run` (README 'Exit codes'): "
+                                    "1 when a backend FAILs or CRASHes (a KNOWN failure is 0, "
+                                    "a strict XPASS 1), 3 on a suite error, 6 when a backend "
+                                    "could not run the case.")
     rp.add_argument("case", help="case id (e.g. from a failure card), case.json, or JSON text")
     rp.add_argument("--backend", "-b", default=None,
                     help="backend name, entry point or pkg.module:factory; comma-separated "

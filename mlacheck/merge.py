@@ -17,7 +17,7 @@ from pathlib import Path
 from mlacheck import results as results_file
 from mlacheck import shard
 from mlacheck.errors import OneLineParser, UsageError
-from mlacheck.outcome import EXIT_USAGE, CoveragePolicy, coverage_lines, exit_meaning
+from mlacheck.outcome import EXIT_USAGE, coverage_lines, exit_meaning
 
 DEFAULT_RESULTS = "mlacheck-merged/results.jsonl"
 
@@ -77,17 +77,12 @@ def write_merged(members: list[Path], out: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mlacheck.pytest_plugin import gate_outcome
-    from mlacheck.spec import OPS
+    from mlacheck.session import RunRequest, outcome
 
     try:
         args = build_parser().parse_args(argv)
-        ops = tuple(o.strip() for o in args.require_ops.split(",") if o.strip())
-        for op in ops:
-            if op not in OPS:
-                raise UsageError(f"--require-ops: unknown op {op!r}; ops: {', '.join(OPS)}")
-        if not 0.0 <= args.min_executed <= 1.0:
-            raise UsageError("--min-executed must be a fraction in 0..1")
+        request = RunRequest.parse(require_ops=args.require_ops, min_executed=args.min_executed,
+                                   allow_xpass=args.allow_xpass)
         out = Path(args.results)
         inputs = [Path(s) for s in args.shards]
         if any(p.resolve() == out.resolve() for p in inputs):
@@ -102,25 +97,23 @@ def main(argv: list[str] | None = None) -> int:
     problems += joined.problems
     members = [Path(m) for m in joined.members]
     dropped = write_merged(members, out)
-    backends = header_backends(out)
     if dropped:
         problems.append(f"{dropped} unreadable line(s) in the shards left out")
-    outcome = gate_outcome(out, backends, CoveragePolicy(ops, args.min_executed,
-                                                         args.allow_xpass), problems)
+    gate = outcome(out, request.named(header_backends(out)), incomplete=problems)
     keys = sorted({k for f in files if f.path in joined.members for k in f.run_keys})
     print(f"mlacheck merge: {len(members)} of {len(inputs)} file(s) merged (run "
-          f"{', '.join(keys) or '-'}): {outcome.recorded} of {outcome.expected} item(s) with a "
+          f"{', '.join(keys) or '-'}): {gate.recorded} of {gate.expected} item(s) with a "
           f"verdict -> {out}")
-    for line in coverage_lines(outcome.coverage):
+    for line in coverage_lines(gate.coverage):
         print(line)
-    print(f"mlacheck gate: exit {outcome.code} ({exit_meaning(outcome.code)})")
-    for line in outcome.lines:
+    print(f"mlacheck gate: exit {gate.code} ({exit_meaning(gate.code)})")
+    for line in gate.lines:
         print(f"  {line}")
     if args.report and results_file.read_raw(out).records:
         from mlacheck.report import main as report_main
 
         report_main([str(out), "-o", str(out.parent)])
-    return outcome.code
+    return gate.code
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-"""The gate decision: one exit code for a run, from what its results file holds.
+"""The gate decision over counted items, and what each exit code means (no torch).
 
-The exit code is the product: `mlacheck run`, `ci/*.sh` and plain `pytest --pyargs
-mlacheck.suite` all take it from `decide` (README, "Exit codes"). A run is green only when
-everything it was asked to run did run and pass: a FAIL/CRASH anywhere in the file (lines
-written before a `--resume` included), a suite error, a known failure that passed (strict), a
-requested backend that executed nothing, or an interrupted run each turn it red, each with
-its own code so a CI job can tell a kernel bug from a broken environment.
+The exit code is the product: `mlacheck run`, `mlacheck replay`, `mlacheck selftest`,
+`ci/*.sh` and plain `pytest --pyargs mlacheck.suite` all take it from here, through
+`mlacheck.session.outcome` (README, "Exit codes"). A run is green only when everything it was
+asked to run did run and pass: a FAIL/CRASH anywhere in the file (lines written before a
+`--resume` included), a suite error, a known failure that passed (strict), a requested
+backend that executed nothing, or an interrupted run each turn it red, each with its own code
+so a CI job can tell a kernel bug from a broken environment. `EXIT_MEANINGS` is the one table
+of what the codes mean (one word for a CI summary, a phrase for the terminal).
 """
 
 from __future__ import annotations
@@ -90,6 +92,15 @@ class Outcome:
     @property
     def incomplete(self) -> bool:
         return self.recorded < self.expected
+
+    @property
+    def reason(self) -> str:
+        """Why, in one line: the reasons, or what the code means when there are none."""
+        return "; ".join(self.lines) or exit_meaning(self.code)
+
+    @property
+    def word(self) -> str:
+        return exit_word(self.code)
 
 
 def coverage_table(items: Iterable[Item]) -> dict[tuple[str, str], Coverage]:
@@ -188,14 +199,24 @@ def coverage_lines(cov: dict[tuple[str, str], Coverage]) -> list[str]:
     return out
 
 
+# code -> (one word for a CI summary, what it means for the terminal): the one table.
+EXIT_MEANINGS: dict[int, tuple[str, str]] = {
+    EXIT_OK: ("PASS", "everything requested ran and passed"),
+    EXIT_KERNEL_FAILURE: ("FAIL", "kernel failure (FAIL, CRASH or strict XPASS)"),
+    EXIT_USAGE: ("USAGE ERROR", "usage or environment error"),
+    EXIT_SUITE_ERROR: ("SUITE ERROR", "suite error (mlacheck failed, not the kernel)"),
+    EXIT_PYTEST_USAGE: ("USAGE ERROR", "usage error (pytest)"),
+    EXIT_NOTHING_COLLECTED: ("NOTHING SELECTED", "nothing selected to run"),
+    EXIT_NOT_ENOUGH_RAN: ("NOT ENOUGH RAN", "not enough ran (coverage policy or incomplete run)"),
+    EXIT_INTERNAL_ERROR: ("INTERNAL ERROR",
+                          "internal error of the test driver (no verdict on the run)"),
+}
+_UNKNOWN = ("ERROR", "pytest error")
+
+
 def exit_meaning(code: int) -> str:
-    return {
-        EXIT_OK: "everything requested ran and passed",
-        EXIT_KERNEL_FAILURE: "kernel failure (FAIL, CRASH or strict XPASS)",
-        EXIT_USAGE: "usage or environment error",
-        EXIT_SUITE_ERROR: "suite error (mlacheck failed, not the kernel)",
-        EXIT_PYTEST_USAGE: "usage error (pytest)",
-        EXIT_NOTHING_COLLECTED: "nothing selected to run",
-        EXIT_NOT_ENOUGH_RAN: "not enough ran (coverage policy or incomplete run)",
-        EXIT_INTERNAL_ERROR: "internal error of the test driver (no verdict on the run)",
-    }.get(code, "pytest error")
+    return EXIT_MEANINGS.get(code, _UNKNOWN)[1]
+
+
+def exit_word(code: int) -> str:
+    return EXIT_MEANINGS.get(code, _UNKNOWN)[0]

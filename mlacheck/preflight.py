@@ -1,5 +1,5 @@
-"""Environment checks made before any case runs (the device and the output paths), and what
-the run header records about the environment (software versions, the machine).
+"""Environment checks made before any case runs (the device, the GPUs and the output paths),
+and what the run header records about the environment (software versions, the machine).
 
 A bad device string, a GPU torch cannot see, or an output file that cannot be written is a
 usage/environment error: one line, before the first case, never a CRASH charged to a kernel
@@ -10,6 +10,7 @@ exit code 2; the pytest plugin into pytest's usage error (exit 4).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 KNOWN_DEVICE_TYPES = ("cpu", "cuda")  # ROCm GPUs are "cuda" to torch
@@ -41,6 +42,49 @@ def resolve_device(spec: str) -> str:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise PreflightError(f"device {spec!r}: only {torch.cuda.device_count()} GPU(s) visible")
     return spec
+
+
+def gpu_count() -> int:
+    """GPUs this process may use, without initialising the CUDA/HIP context: the machine's
+    (/sys/class/kfd, /proc/driver/nvidia), as many as HIP/ROCR/CUDA_VISIBLE_DEVICES leave
+    visible. Counting the machine's alone put 32 workers (8 per GPU x 4) on the one GPU that
+    CUDA_VISIBLE_DEVICES=0 left on a 4-GPU host: 45 inputs ran out of device memory."""
+    override = os.environ.get("MLACHECK_NUM_GPUS")
+    if override:
+        return int(override)
+    on_machine = _machine_gpus()
+    visible = [_visible_count(os.environ[v]) for v in _VISIBLE_VARS if v in os.environ]
+    return min([on_machine, *visible]) if on_machine else 0
+
+
+# Each narrows what the next level sees (ROCm reads all three; CUDA the last).
+_VISIBLE_VARS = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+
+
+def _visible_count(value: str) -> int:
+    """Devices a *_VISIBLE_DEVICES value leaves: its entries up to the first invalid one
+    (the runtimes stop there; "" and "-1" hide every device)."""
+    n = 0
+    for entry in value.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        n += 1
+    return n
+
+
+def _machine_gpus() -> int:
+    kfd = Path("/sys/class/kfd/kfd/topology/nodes")
+    if kfd.is_dir():  # ROCm: nodes with a non-zero gfx target are GPUs
+        n = 0
+        for node in kfd.iterdir():
+            props = node / "properties"
+            if props.is_file() and re.search(r"gfx_target_version\s+[1-9]", props.read_text()):
+                n += 1
+        if n:
+            return n
+    nv = Path("/proc/driver/nvidia/gpus")
+    return len(list(nv.iterdir())) if nv.is_dir() else 0
 
 
 def check_expression(flag: str, expr: str | None) -> None:

@@ -9,8 +9,11 @@ nothing is lost if a run dies. Under pytest-xdist each worker gets one GPU
 replaced by xdist and the controller records that item as CRASH; after a device-side error
 a worker exits, so no later case runs on a poisoned context.
 
-The exit status is the gate's (mlacheck.outcome): set at session end from everything the
-results file holds. Bad options are pytest usage errors (exit 4) raised before collection.
+The exit status is the gate's: set at session end by mlacheck.session.outcome from everything
+the results file holds. The options are parsed once into a mlacheck.session.RunRequest; bad
+ones are pytest usage errors (exit 4) raised before collection. This module holds pytest
+hooks only: the run model is mlacheck.session, the xdist scheduler mlacheck.scheduling,
+device discovery mlacheck.preflight.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +30,10 @@ from typing import Any
 import pytest
 
 from mlacheck import results as results_file
-from mlacheck.outcome import CoveragePolicy, Outcome
+from mlacheck.errors import UsageError
+from mlacheck.outcome import Outcome
 from mlacheck.progress import Progress
+from mlacheck.session import RunRequest
 
 # Runs smaller than this get no progress lines (pytest's own output says enough).
 PROGRESS_MIN_ITEMS = 20
@@ -41,7 +45,9 @@ _OPTION_PREFIX = "mla_"
 
 
 @dataclass(frozen=True)
-class Item:
+class MatrixItem:
+    """One test item: a matrix case on one backend (as requested)."""
+
     backend: str
     case: Any  # mlacheck.spec.Case
     markers: tuple[str, ...]
@@ -73,21 +79,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="a known failure that passes does not fail the run (default: it does)")
     g.addoption("--mla-shard", default=None,
                 help="K/N: run only the K-th of N shards of the selection (mlacheck.shard)")
-
-
-def split_backends(values: list[str] | None) -> list[str]:
-    """Repeated and comma-separated backend names, each once, in order."""
-    names = [n.strip() for v in values or [] for n in v.split(",")]
-    return list(dict.fromkeys(n for n in names if n))
-
-
-def distinct_backends(specs: list[str], name_of: Callable[[str], str]) -> list[str]:
-    """The first request of each backend name: two spellings of one backend (`torch` and
-    `mlacheck.backends.torch_ref:factory`) would run every item twice under one name."""
-    first: dict[str, str] = {}
-    for spec in specs:
-        first.setdefault(name_of(spec), spec)
-    return list(first.values())
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -165,6 +156,8 @@ def _map_worker_to_device(index: int) -> None:
         visible = os.environ.get(var)
         ids = [v for v in visible.split(",") if v] if visible else None
         if ids is None:
+            from mlacheck.preflight import gpu_count
+
             count = gpu_count()
             if not count:
                 continue
@@ -179,49 +172,6 @@ def _share_cpu_threads(workers: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
 
 
-def gpu_count() -> int:
-    """GPUs this process may use, without initialising the CUDA/HIP context: the machine's
-    (/sys/class/kfd, /proc/driver/nvidia), as many as HIP/ROCR/CUDA_VISIBLE_DEVICES leave
-    visible. Counting the machine's alone put 32 workers (8 per GPU x 4) on the one GPU that
-    CUDA_VISIBLE_DEVICES=0 left on a 4-GPU host: 45 inputs ran out of device memory."""
-    override = os.environ.get("MLACHECK_NUM_GPUS")
-    if override:
-        return int(override)
-    on_machine = _machine_gpus()
-    visible = [_visible_count(os.environ[v]) for v in _VISIBLE_VARS if v in os.environ]
-    return min([on_machine, *visible]) if on_machine else 0
-
-
-# Each narrows what the next level sees (ROCm reads all three; CUDA the last).
-_VISIBLE_VARS = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
-
-
-def _visible_count(value: str) -> int:
-    """Devices a *_VISIBLE_DEVICES value leaves: its entries up to the first invalid one
-    (the runtimes stop there; "" and "-1" hide every device)."""
-    n = 0
-    for entry in value.split(","):
-        entry = entry.strip()
-        if not entry or entry.startswith("-"):
-            break
-        n += 1
-    return n
-
-
-def _machine_gpus() -> int:
-    kfd = Path("/sys/class/kfd/kfd/topology/nodes")
-    if kfd.is_dir():  # ROCm: nodes with a non-zero gfx target are GPUs
-        n = 0
-        for node in kfd.iterdir():
-            props = node / "properties"
-            if props.is_file() and re.search(r"gfx_target_version\s+[1-9]", props.read_text()):
-                n += 1
-        if n:
-            return n
-    nv = Path("/proc/driver/nvidia/gpus")
-    return len(list(nv.iterdir())) if nv.is_dir() else 0
-
-
 _STATE = pytest.StashKey["_State"]()
 _LOADGROUP = "mla_loadgroup"  # workerinput key: the controller schedules by case
 _GPU_DIR = "mla_gpu_dir"  # workerinput key: where workers publish their GPU (admission)
@@ -234,7 +184,8 @@ class _State:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self._backends: dict[str, Any] = {}
-        self._items: list[Item] | None = None
+        self._items: list[MatrixItem] | None = None
+        self._request: RunRequest | None = None
         self._device: str | None = None
         path = config.getoption("--mla-results") or os.environ.get(_PRIVATE_RESULTS_ENV)
         self.results = Path(path) if path else None
@@ -242,9 +193,9 @@ class _State:
         self.header_written = False
         self.outcome: Outcome | None = None
         self.temporary_results = False
-        self._by_id: dict[str, Item] | None = None
+        self._by_id: dict[str, MatrixItem] | None = None
         self._progress: Progress | None = None
-        self.selected: list[Item] = []  # what this run collected (after -k / -m / resume)
+        self.selected: list[MatrixItem] = []  # what this run collected (after -k / -m / resume)
         self.matrix_name, self.matrix_cases = "", 0  # set by items()
         self.matrix_case_ids: list[str] = []
         self.gpu_dir: Path | None = None  # controller: where workers publish their GPU
@@ -252,18 +203,25 @@ class _State:
         self._started = time.time()  # this session's start (pytest_sessionstart resets it)
 
     @property
-    def backend_names(self) -> list[str]:
-        from mlacheck.backends.registry import DEFAULT_BACKENDS
+    def request(self) -> RunRequest:
+        """The options, parsed and checked once (UsageError), backends keyed by their names."""
+        if self._request is None:
+            from mlacheck.backends.registry import DEFAULT_BACKENDS
 
-        specs = split_backends(self.config.getoption("--mla-backend")) or list(DEFAULT_BACKENDS)
-        return distinct_backends(specs, lambda b: self.backend(b).name)
+            opt = self.config.getoption
+            self._request = RunRequest.parse(
+                backends=opt("--mla-backend"), default_backends=DEFAULT_BACKENDS,
+                matrix=opt("--mla-matrix"), device=opt("--mla-device"), golden=opt("--mla-golden"),
+                seed=opt("--mla-seed"), require_ops=opt("--mla-require-ops"),
+                min_executed=opt("--mla-min-executed"), allow_xpass=opt("--mla-allow-xpass"),
+                flag_prefix="--mla-",
+            ).resolved(lambda b: self.backend(b).name)
+        return self._request
 
     @property
-    def policy(self) -> CoveragePolicy:
-        ops = tuple(o.strip() for o in self.config.getoption("--mla-require-ops").split(",")
-                    if o.strip())
-        return CoveragePolicy(ops, self.config.getoption("--mla-min-executed"),
-                              self.config.getoption("--mla-allow-xpass"))
+    def backend_names(self) -> tuple[str, ...]:
+        """The backends as requested, one spelling per backend name."""
+        return self.request.backends
 
     def backend(self, name: str) -> Any:
         if name not in self._backends:
@@ -285,16 +243,11 @@ class _State:
         from mlacheck.backends.registry import BackendError
         from mlacheck.matrices import MatrixError
         from mlacheck.preflight import PreflightError, check_expression, check_output_file
-        from mlacheck.spec import OPS
 
         try:
+            _ = self.request
             _ = self.device, self.shard
             self.items()
-            for op in self.policy.require_ops:
-                if op not in OPS:
-                    raise PreflightError(f"--mla-require-ops: unknown op {op!r}; ops: {', '.join(OPS)}")
-            if not 0.0 <= self.policy.min_executed <= 1.0:
-                raise PreflightError("--mla-min-executed must be a fraction in 0..1")
             check_expression("-k", getattr(self.config.option, "keyword", ""))
             check_expression("-m", getattr(self.config.option, "markexpr", ""))
             if self.results is None:  # the gate needs a file to read: a private one
@@ -308,20 +261,19 @@ class _State:
             xml = getattr(self.config.option, "xmlpath", None)
             if xml:
                 check_output_file(xml, "JUnit XML file")
-        except (BackendError, MatrixError, PreflightError, ValueError) as e:
+        except (BackendError, MatrixError, PreflightError, UsageError, ValueError) as e:
             raise pytest.UsageError(str(e)) from None
 
-    def items(self) -> list[Item]:
+    def items(self) -> list[MatrixItem]:
         if self._items is None:
             from mlacheck import cost
             from mlacheck.backends.registry import BackendError
             from mlacheck.matrices import MatrixError, load
 
             try:
-                for b in self.backend_names:
-                    self.backend(b)
-                matrix = load(self.config.getoption("--mla-matrix"), self.config.getoption("--mla-seed"))
-            except (BackendError, MatrixError, ValueError) as e:
+                request = self.request
+                matrix = load(request.matrix, request.seed)
+            except (BackendError, MatrixError, UsageError, ValueError) as e:
                 raise pytest.UsageError(str(e)) from None
             self._matrix = matrix
             self.matrix_name = matrix.name
@@ -331,10 +283,10 @@ class _State:
             # case by case (a case's inputs and references serve all its backends in one
             # worker: mlacheck.harness), longest first by estimated time (the long cases
             # start first, and workers do not wait at the end for one that started last)
-            names = [self.backend(b).name for b in self.backend_names]
+            names = list(request.names)
             cases = sorted(matrix.cases,
                            key=lambda mc: (-cost.case_s(mc.case, names, self.device), mc.case.id))
-            self._items = [Item(b, mc.case, tuple(mc.markers)) for mc in cases
+            self._items = [MatrixItem(b, mc.case, tuple(mc.markers)) for mc in cases
                            for b in self.backend_names if (b, mc.case.id) not in leave_out]
         return self._items
 
@@ -355,7 +307,7 @@ class _State:
         results_file.repair_torn_tail(self.results)
         # keyed as the verdict lines key items: by the backend's name, not the request
         expected = [(self.backend(it.backend).name, it.case.id) for it in self.selected]
-        header = results_file.new_header(expected, self.backend_names,
+        header = results_file.new_header(expected, list(self.backend_names),
                                          getattr(self, "matrix_name", ""), self.device,
                                          self.workers, *self.shard_record(),
                                          started=self.started)
@@ -377,13 +329,13 @@ class _State:
         if sh is None:
             return "", ""
         opt = self.config.option
-        names = [self.backend(b).name for b in self.backend_names]
+        names = list(self.request.names)
         key = shard_mod.run_key(self.matrix_name, self.config.getoption("--mla-seed"), names,
                                 getattr(opt, "keyword", ""), getattr(opt, "markexpr", ""),
                                 sh.count, self.matrix_case_ids)
         return str(sh), key
 
-    def in_shard(self, selected: list[Item]) -> set[str]:
+    def in_shard(self, selected: list[MatrixItem]) -> set[str]:
         """Case ids of this process's shard, partitioned over the selection (after -k / -m)
         together with the items --resume left out: every runner, resumed or not, computes
         the same partition."""
@@ -395,7 +347,7 @@ class _State:
         for _, case_id in _leave_out(self.config.getoption("--mla-leave-out")):
             if case_id in by_id:
                 cases.setdefault(case_id, by_id[case_id])
-        names = [self.backend(b).name for b in self.backend_names]
+        names = list(self.request.names)
         costs = {cid: cost.case_s(c, names, self.device) for cid, c in cases.items()}
         return shard.units_of(sh, costs)
 
@@ -437,7 +389,7 @@ class _State:
     def recorded_ids(self) -> set[tuple[str, str]]:
         return results_file.recorded_items(self.results)
 
-    def item_of(self, nodeid: str) -> Item | None:
+    def item_of(self, nodeid: str) -> MatrixItem | None:
         """The mla item a pytest node id names (None for other tests)."""
         if self._by_id is None:
             self._by_id = {it.id: it for it in self.items()} if _runs_the_suite(
@@ -492,14 +444,15 @@ def mla_state(request: pytest.FixtureRequest) -> _State:
     return request.config.stash[_STATE]
 
 
-def check_item(item: Item, state: _State, node: pytest.Item) -> None:
+def check_item(item: MatrixItem, state: _State, node: pytest.Item) -> None:
     """Run one item, record its verdict, and turn it into a pytest outcome."""
     from mlacheck.harness import DeviceError, RunOptions, run_case
-    from mlacheck.verdict import CRASH, KNOWN, SKIP, XPASS, Verdict
+    from mlacheck.session import pytest_outcome
+    from mlacheck.verdict import CRASH, XPASS, Verdict
 
     if state.device_poisoned:
         pytest.skip(f"device context poisoned by an earlier device error ({state.device_poisoned})")
-    opts = RunOptions(state.device, state.config.getoption("--mla-golden"),
+    opts = RunOptions(state.device, state.request.golden,
                       not state.config.getoption("--mla-no-ideal"),
                       memory_wait_s=_memory_wait_s(state.config), share=True)
     backend = state.backend(item.backend)
@@ -519,18 +472,18 @@ def check_item(item: Item, state: _State, node: pytest.Item) -> None:
     node.user_properties.append((STATUS_PROPERTY, verdict.status))  # for the controller
     if state.device_poisoned and is_worker(state.config):
         os._exit(DEVICE_ERROR_EXIT)  # xdist reports this item crashed and starts a new worker
-    if verdict.bucket == SKIP:
+    how = pytest_outcome(verdict.bucket, state.request.policy.allow_xpass)
+    if how == "skipped":
         pytest.skip(verdict.reason)
-    if verdict.bucket == KNOWN:
+    elif how == "xfailed":
         pytest.xfail(f"known failure: {verdict.known_failure}\n{verdict.summary()}")
-    if verdict.bucket == XPASS and not state.policy.allow_xpass:
+    elif how == "failed" and verdict.bucket == XPASS:
         pytest.fail(f"XPASS {item.backend} {item.case.id}: the known failure "
                     f"{verdict.known_rule!r} passes; remove its rule from mlacheck/known.py "
                     "(or run with --allow-xpass)", pytrace=False)
-    if verdict.is_suite_error:
-        pytest.fail(f"{verdict.summary()}\n(mlacheck's own error, not the kernel's)", pytrace=False)
-    if verdict.kernel_failed:
-        pytest.fail(verdict.summary(), pytrace=False)
+    elif how == "failed":
+        own = "\n(mlacheck's own error, not the kernel's)" if verdict.is_suite_error else ""
+        pytest.fail(verdict.summary() + own, pytrace=False)
 
 
 def _memory_wait_s(config: pytest.Config) -> float:
@@ -670,6 +623,7 @@ class _XdistHooks:
         if config.getvalue("dist") != "loadgroup" or not _runs_the_suite(config):
             return None
         from mlacheck import footprint
+        from mlacheck.scheduling import case_scheduler
 
         state: _State = config.stash[_STATE]
         need = {it.case.id: footprint.estimate(it.case).total for it in state.items()}
@@ -687,172 +641,47 @@ class _XdistHooks:
             node.workerinput[_GPU_DIR] = str(state.gpu_dir)
 
 
-def pick_unit(queue: list[str], need: Callable[[str], int], held: int, budget: int | None) -> str:
-    """The next case for a worker of a GPU on which cases holding `held` bytes run: the first
-    (longest) in the queue that fits beside them in `budget`; if none does, the one that needs
-    least (it waits for room the shortest). Without a budget (CPU, or unknown): the first."""
-    if budget is None:
-        return queue[0]
-    for scope in queue:
-        if held + need(scope) <= budget:
-            return scope
-    return min(queue, key=need)
-
-
-def case_scheduler(config: pytest.Config, log: Any, need: dict[str, int],
-                   gpu_dir: Path | None) -> Any:
-    """xdist's loadgroup scheduling (a case's items to one worker, in order), with three
-    changes. `need`: each case's device memory (footprint.estimate) by case id; `gpu_dir`:
-    where the workers publish their GPU (None: no GPUs).
-
-    - The queue keeps the collection's order (longest case first, mlacheck.cost), and a
-      worker gets its next case only when it starts the last item of the one it has (xdist
-      hands it over when at most 2 items are left): a long case is not committed to a worker
-      still busy with another.
-    - GPU memory: each worker publishes its GPU and budget (mlacheck.admission); a worker gets
-      the longest case that fits its GPU beside the cases already handed to that GPU's
-      workers (pick_unit), so no worker is given a case to wait for while another GPU has
-      room for it, and the large cases spread over the GPUs.
-    - The item a worker died under is not run again: loadscope puts the whole unfinished
-      group back, the crashed item included, so a kernel that aborts the process would take
-      down one worker after another (the item is recorded as CRASH).
-    """
-    from xdist.scheduler import LoadGroupScheduling
-
-    from mlacheck import admission
-
-    class CaseScheduling(LoadGroupScheduling):  # type: ignore[misc]
-        def __init__(self, config: pytest.Config, log: Any) -> None:
-            super().__init__(config, log)
-            self._gpus: dict[str, tuple[str, int]] | None = None
-
-        @staticmethod
-        def need(scope: str) -> int:
-            return need.get(scope, 0)
-
-        def gpus(self) -> dict[str, tuple[str, int]]:
-            """{worker id: (GPU, budget)}, read again while a worker (a new one replacing a
-            crashed one) has not been seen."""
-            if gpu_dir is None:
-                return {}
-            if self._gpus is None or any(n.gateway.id not in self._gpus for n in self.nodes):
-                self._gpus = admission.worker_gpus(gpu_dir)
-            return self._gpus
-
-        def _assign_work_unit(self, node: Any) -> None:
-            gpus = self.gpus()
-            mine = gpus.get(node.gateway.id)
-            if mine is not None and len(self.workqueue) > 1:
-                gpu, budget = mine
-                held = sum(self.need(scope) for other, work in self.assigned_work.items()
-                           if gpus.get(other.gateway.id, ("",))[0] == gpu
-                           for scope, unit in work.items() if not all(unit.values()))
-                scope = pick_unit(list(self.workqueue), self.need, held, budget)
-                self.workqueue.move_to_end(scope, last=False)
-            super()._assign_work_unit(node)
-
-        def _reschedule(self, node: Any) -> None:
-            if (not node.shutting_down and self.workqueue
-                    and self._pending_of(self.assigned_work[node]) > 1):
-                return  # more than its last item still to run: no next case yet
-            super()._reschedule(node)
-
-        def remove_node(self, node: Any) -> str | None:
-            workload = self.assigned_work.pop(node)
-            pending = [nid for unit in workload.values() for nid, done in unit.items() if not done]
-            if not pending:
-                return None
-            crashed = pending[0]
-            for unit in workload.values():
-                if crashed in unit:
-                    unit[crashed] = True
-            self.workqueue.update((scope, unit) for scope, unit in workload.items()
-                                  if not all(unit.values()))
-            for other in self.assigned_work:
-                self._reschedule(other)
-            return crashed
-
-    return CaseScheduling(config, log)
-
-
-def _mla_param(item: pytest.Item) -> Item | None:
+def _mla_param(item: pytest.Item) -> MatrixItem | None:
     callspec = getattr(item, "callspec", None)
     return callspec.params.get("mla_item") if callspec else None
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """The gate's exit code, from everything the results file holds (controller only)."""
-    if is_worker(session.config):
+    """The gate's exit code (mlacheck.session.outcome), from everything the results file holds
+    (controller only; lines from before a `--resume` count, also when nothing was left to
+    run). pytest keeps its usage errors."""
+    config = session.config
+    if is_worker(config) or not _runs_the_suite(config):
         return
-    from mlacheck.outcome import (
-        EXIT_INTERNAL_ERROR,
-        EXIT_KERNEL_FAILURE,
-        EXIT_NOT_ENOUGH_RAN,
-        EXIT_SUITE_ERROR,
-    )
-
-    state: _State = session.config.stash[_STATE]
-    if exitstatus == pytest.ExitCode.INTERNAL_ERROR and _runs_the_suite(session.config):
-        # pytest's 3 is the gate's "suite error" (a case's inputs or references failed):
-        # an INTERNALERROR is no verdict on any case
-        session.exitstatus = EXIT_INTERNAL_ERROR
+    state: _State = config.stash[_STATE]
+    if exitstatus == pytest.ExitCode.USAGE_ERROR or state.results is None:
         return
-    if state.results is None or not state.results.exists() or not state.header_written:
-        return
-    names = [state.backend(b).name for b in state.backend_names]
-    state.outcome = out = gate_outcome(state.results, names, state.policy)
-    if exitstatus == pytest.ExitCode.INTERRUPTED:
-        # Ctrl-C, or SIGTERM under `mlacheck run`: what ran still counts (a FAIL wins), but
-        # the run is incomplete whatever the file says
-        if out.code not in (EXIT_KERNEL_FAILURE, EXIT_SUITE_ERROR):
-            out.code = EXIT_NOT_ENOUGH_RAN
-        out.lines.append("INCOMPLETE: the run was interrupted (continue it with `mlacheck run "
-                         "--resume`)")
-        session.exitstatus = out.code
-    # pytest keeps its own decisions: usage errors, nothing collected
-    elif exitstatus in (0, 1) and out.code != 0:
-        session.exitstatus = out.code
+    from mlacheck.session import outcome
 
-
-def gate_outcome(path: Path, requested_backends: list[str], policy: CoveragePolicy,
-                 incomplete: list[str] | None = None) -> Outcome:
-    """The gate decision for a results file (every line in it, before a --resume included).
-    `requested_backends`: the backends' names (Backend.name, as verdicts record them);
-    `incomplete`: why the file is not the whole run (outcome.decide)."""
-    from mlacheck.outcome import Item as Counted
-    from mlacheck.outcome import decide
-
-    raw = results_file.read_raw(path)
-    items = [Counted(str(r.get("backend", "")), str(r.get("op", "")), str(r.get("case_id", "")),
-                     str(r.get("status", "")), str(r.get("reason", "")),
-                     bool(r.get("known_failure")))
-             for r in results_file.latest_per_item(raw.records)]
-    return decide(items, requested_backends=requested_backends, expected=raw.expected,
-                  policy=policy, incomplete=incomplete or ())
+    internal = exitstatus == pytest.ExitCode.INTERNAL_ERROR  # no verdict on the run: exit 7
+    state.outcome = out = outcome(state.results, RunRequest() if internal else state.request,
+                                  interrupted=exitstatus == pytest.ExitCode.INTERRUPTED,
+                                  internal_error=internal)
+    session.exitstatus = out.code
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     from mlacheck.outcome import EXIT_NOTHING_COLLECTED, coverage_lines, exit_meaning
 
-    state: _State = config.stash[_STATE]
-    out = state.outcome
-    tr = terminalreporter
-    if (out is None and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED
-            and not is_worker(config) and _runs_the_suite(config)):
-        tr.write_line(f"mlacheck gate: exit {EXIT_NOTHING_COLLECTED} "
-                      f"({exit_meaning(EXIT_NOTHING_COLLECTED)}): {state.why_nothing_selected()}",
-                      bold=True, red=True)
-        return
+    out = config.stash[_STATE].outcome
     if out is None:
+        return
+    tr = terminalreporter
+    if out.code == EXIT_NOTHING_COLLECTED:
+        tr.write_line(f"mlacheck gate: exit {out.code} ({exit_meaning(out.code)}): "
+                      f"{config.stash[_STATE].why_nothing_selected()}", bold=True, red=True)
         return
     tr.section("mlacheck coverage (per backend x op)")
     for line in coverage_lines(out.coverage):
         tr.write_line(line)
-    # the gate's code (set in pytest_sessionfinish, an interrupted run's included); else pytest's
-    code = out.code if exitstatus in (0, 1, pytest.ExitCode.INTERRUPTED) else exitstatus
-    tr.write_line(f"mlacheck gate: exit {code} ({exit_meaning(code)})", bold=True,
-                  red=code != 0, green=code == 0)
+    tr.write_line(f"mlacheck gate: exit {out.code} ({exit_meaning(out.code)})", bold=True,
+                  red=out.code != 0, green=out.code == 0)
     for line in out.lines:
         tr.write_line(f"  {line}")
 
@@ -868,7 +697,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.environ.pop(_PRIVATE_RESULTS_ENV, None)
 
 
-def _crash_record(state: _State, item: Item, reason: str, nodeid: str) -> dict[str, Any]:
+def _crash_record(state: _State, item: MatrixItem, reason: str, nodeid: str) -> dict[str, Any]:
     import json
 
     from mlacheck.verdict import CRASH, Verdict

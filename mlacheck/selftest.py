@@ -14,7 +14,7 @@ raises no false alarm on the correct backends.
    mlacheck.backends.faults.search) finds a failing case and shrinks it to a minimal one.
 3. The correct backends (torch, torch-split, torch-reverse, aiter-model,
    aiter-model-nonpersistent) run the whole matrix under `--seeds` seeds: any FAIL or CRASH
-   is a false alarm.
+   (not explained by a documented finding, mlacheck/known.py) is a false alarm.
 
 Every run repeats the kernel on fresh inputs (RunOptions(repeat=2): the determinism check)
 where that matters: for the faults that only a repeated run shows, and for the correct
@@ -28,8 +28,10 @@ the offset-wrap faults wrap and the failure regions are named, so the same detec
 localisation runs on megabyte pools (what mlacheck's own default test run uses; docs/ci.md
 "Test tiers").
 
-Exit status: 0 when every fault is caught and no correct backend fails, 1 otherwise, 2 on bad
-input (unknown matrix, fault or option).
+Exit status (README "Exit codes"): 1 when a fault escapes; otherwise the gate's code for the
+correct backends' verdicts (mlacheck.session.outcome: 0 when they all pass, 1 on a false
+alarm, 3 on a suite error, 6 when a backend ran no case); 2 on bad input (unknown matrix,
+fault or option).
 """
 
 from __future__ import annotations
@@ -49,13 +51,13 @@ from typing import TYPE_CHECKING, Any
 
 from mlacheck.backends.faults import FAULTS, FaultSpec
 from mlacheck.errors import OneLineParser, UsageError
+from mlacheck.outcome import EXIT_KERNEL_FAILURE, EXIT_USAGE
 from mlacheck.spec import MIN_OFFSET_BITS, OFFSET_BITS, Case
-from mlacheck.verdict import CRASH, PASS, SKIP, Verdict
+from mlacheck.verdict import CRASH, KNOWN, PASS, SKIP, Verdict
 
 if TYPE_CHECKING:  # torch stays unimported until a run starts (`--help` is instant)
     from mlacheck.matrices import MatrixCase
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 DEFAULT_MATRIX = "selftest"
 CORRECT_BACKENDS = ("torch", "torch-split", "torch-reverse", "aiter-model",
                     "aiter-model-nonpersistent")
@@ -116,7 +118,8 @@ class BackendResult:
 
     @property
     def false_alarms(self) -> list[Verdict]:
-        return [v for v in self.verdicts if v.kernel_failed]
+        """Failures of a correct backend that no documented finding explains."""
+        return [v for v in self.verdicts if v.kernel_failed and v.bucket != KNOWN]
 
     def count(self, status: str) -> int:
         return sum(v.status == status for v in self.verdicts)
@@ -461,6 +464,7 @@ def _main(args: argparse.Namespace) -> int:
     render(faults, correct)
     escaped = [r.spec.name for r in faults if not r.caught]
     alarms = [b.name for b in correct if b.false_alarms or b.error]
+    gate = correct_outcome(correct)
     total = time.perf_counter() - start
     caught = len(faults) - len(escaped)
     summary = (f"{caught}/{len(faults)} faults caught; "
@@ -470,6 +474,8 @@ def _main(args: argparse.Namespace) -> int:
         summary += f"; ESCAPED: {', '.join(escaped)}"
     if alarms:
         summary += f"; FALSE ALARMS: {', '.join(alarms)}"
+    if gate.code and not escaped:
+        summary += f"; exit {gate.code}: {gate.reason}"
     print(summary)
     if args.json:
         meta = {"matrix": matrix.name, "mode": mode, "seeds": args.seeds,
@@ -478,7 +484,17 @@ def _main(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(to_json(faults, correct, meta), indent=1,
                                               default=str))
-    return EXIT_FAIL if escaped or alarms else EXIT_OK
+    return EXIT_KERNEL_FAILURE if escaped else gate.code
+
+
+def correct_outcome(correct: Sequence[BackendResult]):  # noqa: ANN201 - mlacheck.outcome.Outcome
+    """The gate's decision over the correct backends' verdicts, as a run of them would get."""
+    from mlacheck.session import RunRequest, outcome
+
+    # the name a backend's verdicts record (a pkg.mod:factory request runs under its name)
+    names = tuple(b.verdicts[0].backend if b.verdicts else b.name for b in correct)
+    return outcome([v for b in correct for v in b.verdicts],
+                   RunRequest(backends=names, names=names))
 
 
 def _logger() -> Callable[[str], None]:

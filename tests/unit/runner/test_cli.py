@@ -206,9 +206,9 @@ def test_terminal_shows_progress_without_pytest_and_xdist_noise(tiny: Path, tmp_
 
 
 def test_default_workers_use_the_cores_the_memory_can_hold(monkeypatch) -> None:  # noqa: ANN001
-    from mlacheck import cli, pytest_plugin
+    from mlacheck import cli, preflight
 
-    monkeypatch.setattr(pytest_plugin, "gpu_count", lambda: 0)
+    monkeypatch.setattr(preflight, "gpu_count", lambda: 0)
     monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setattr(cli, "_available_gib", lambda: 100.0)
     assert cli._default_workers("cpu") == 8
@@ -216,11 +216,11 @@ def test_default_workers_use_the_cores_the_memory_can_hold(monkeypatch) -> None:
     assert cli._default_workers("auto") == 2  # memory, not cores, is the limit
     monkeypatch.setattr(cli, "_available_gib", lambda: 1.0)
     assert cli._default_workers("cpu") == 1
-    monkeypatch.setattr(pytest_plugin, "gpu_count", lambda: 4)
+    monkeypatch.setattr(preflight, "gpu_count", lambda: 4)
     assert cli._default_workers("cuda") == 4  # 8 cores for 4 GPUs: one worker each
     assert cli._default_workers("cpu") == 1  # --device cpu ignores the GPUs
     # one H100 with 16 cores: 8 workers share it (2 cores each), as the nightly measured
-    monkeypatch.setattr(pytest_plugin, "gpu_count", lambda: 1)
+    monkeypatch.setattr(preflight, "gpu_count", lambda: 1)
     monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.setattr(cli, "_available_gib", lambda: 125.0)
     assert cli._default_workers("cuda") == cli.GPU_WORKERS_MAX == 8
@@ -228,7 +228,7 @@ def test_default_workers_use_the_cores_the_memory_can_hold(monkeypatch) -> None:
     assert cli._default_workers("cuda") == 3  # host memory, not cores, is the limit
     monkeypatch.setattr(cli, "_available_gib", lambda: 1.0)
     assert cli._default_workers("cuda") == 1  # never fewer than one per GPU
-    monkeypatch.setattr(pytest_plugin, "gpu_count", lambda: 8)
+    monkeypatch.setattr(preflight, "gpu_count", lambda: 8)
     monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(128)), raising=False)
     monkeypatch.setattr(cli, "_available_gib", lambda: 2000.0)
     assert cli._default_workers("cuda") == 64  # 8 GPUs x 8
@@ -247,14 +247,14 @@ def test_default_workers_use_the_cores_the_memory_can_hold(monkeypatch) -> None:
 def test_gpu_count_is_what_the_visible_devices_leave(monkeypatch, env, expected) -> None:  # noqa: ANN001
     """On a 4-GPU host with CUDA_VISIBLE_DEVICES=0 the default put 8 workers per GPU x 4 on the
     one visible GPU (H200 x4, 2026-11-26: 45 inputs ran out of device memory)."""
-    from mlacheck import pytest_plugin
+    from mlacheck import preflight
 
-    for var in ("MLACHECK_NUM_GPUS", *pytest_plugin._VISIBLE_VARS):
+    for var in ("MLACHECK_NUM_GPUS", *preflight._VISIBLE_VARS):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    monkeypatch.setattr(pytest_plugin, "_machine_gpus", lambda: 4)
-    assert pytest_plugin.gpu_count() == expected
+    monkeypatch.setattr(preflight, "_machine_gpus", lambda: 4)
+    assert preflight.gpu_count() == expected
 
 
 def test_list_coverage_per_backend(capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,6 +18,8 @@ import torch
 from mlacheck import harness, inputs, outcome
 from mlacheck.backends.registry import resolve
 from mlacheck.outcome import CoveragePolicy, Item, decide
+from mlacheck.session import RunRequest
+from mlacheck.session import outcome as run_outcome
 from mlacheck.spec import DecodeCase, PrefillCase, Request, Segment, case_from_json
 from mlacheck.verdict import CRASH, ERROR, FAIL, PASS, SKIP
 
@@ -67,6 +69,11 @@ def tiny(tmp_path: Path) -> Path:
     p = tmp_path / "tiny.yaml"
     p.write_text(TINY)
     return p
+
+
+def gate_outcome(path: Path, names: list[str], policy: CoveragePolicy) -> outcome.Outcome:
+    """The gate's decision on a results file, as `mlacheck run` and the plugin take it."""
+    return run_outcome(path, RunRequest(backends=tuple(names), policy=policy))
 
 
 def one_line_error(r: subprocess.CompletedProcess[str]) -> str:
@@ -240,8 +247,6 @@ def test_interrupted_run_reads_incomplete_in_terminal_and_reports(tiny: Path, tm
     assert r.returncode == 0 and "INCOMPLETE (1 of 2 items)" in r.stdout
     assert "INCOMPLETE: 1 of 2 items" in (tmp_path / "report.md").read_text()
     assert "INCOMPLETE: 1 of 2 items" in (tmp_path / "report.html").read_text()
-    from mlacheck.pytest_plugin import gate_outcome
-
     assert gate_outcome(res, ["torch"], CoveragePolicy()).code == outcome.EXIT_NOT_ENOUGH_RAN
 
 
@@ -299,10 +304,12 @@ def test_an_internal_error_of_the_driver_is_not_a_suite_error(tiny: Path, tmp_pa
                         "--mla-matrix", str(tiny)], capture_output=True, text=True, timeout=300,
                        env=env)
     assert r.returncode == outcome.EXIT_INTERNAL_ERROR, r.stdout[-2000:]
-    from mlacheck.cli import _exit_code
-
-    assert _exit_code(3, session_ended=False) == outcome.EXIT_INTERNAL_ERROR  # before the plugin
-    assert _exit_code(3) == outcome.EXIT_SUITE_ERROR  # the gate's own 3
+    # an internal error before the plugin's session end: 7 too; a suite ERROR on record is 3
+    res = tmp_path / "r.jsonl"
+    res.write_text(_verdict("torch", "a").replace(PASS, ERROR) + "\n")
+    internal = run_outcome(res, RunRequest(backends=("torch",)), internal_error=True)
+    assert internal.code == outcome.EXIT_INTERNAL_ERROR
+    assert gate_outcome(res, ["torch"], CoveragePolicy()).code == outcome.EXIT_SUITE_ERROR
 
 
 def test_append_under_another_spelling_of_a_backend_is_one_item(tiny: Path, tmp_path: Path) -> None:
@@ -335,7 +342,6 @@ def _verdict(backend: str, case_id: str, spec: str = "") -> str:
 
 def test_verdicts_outside_the_header_do_not_hide_missing_items(tmp_path: Path) -> None:
     """None of the 3 expected items had a verdict, 3 others did: exit 0 before."""
-    from mlacheck.pytest_plugin import gate_outcome
     from mlacheck.report.load import read_results
 
     res = tmp_path / "r.jsonl"

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from mlacheck import admission
-from mlacheck.pytest_plugin import case_scheduler, pick_unit
+from mlacheck.scheduling import case_scheduler, pick_unit
 
 
 def test_pick_unit_takes_the_longest_that_fits_else_the_smallest() -> None:

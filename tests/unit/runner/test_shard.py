@@ -185,14 +185,15 @@ def _write_run(path: Path, items: list[tuple[str, str, str, bool]], shard_of: st
 ], ids=["pass", "fail", "known", "xpass", "suite-error"])
 def test_merged_shards_exit_as_the_single_run(tmp_path: Path, statuses: list, code: int) -> None:
     from mlacheck import merge
-    from mlacheck.outcome import CoveragePolicy
-    from mlacheck.pytest_plugin import gate_outcome
+    from mlacheck.session import RunRequest, outcome
+
+    torch = RunRequest(backends=("torch",))
 
     items = [("torch", f"case{i}", *(s if isinstance(s, tuple) else (s, False)))
              for i, s in enumerate(statuses)]
     single = tmp_path / "single.jsonl"
     _write_run(single, items)
-    assert gate_outcome(single, ["torch"], CoveragePolicy()).code == code
+    assert outcome(single, torch).code == code
     shards = [tmp_path / f"s{k}.jsonl" for k in (1, 2, 3)]
     for k, path in enumerate(shards):
         _write_run(path, items[2 * k: 2 * k + 2], f"{k + 1}/3", "run-a")
@@ -207,7 +208,7 @@ def test_merged_shards_exit_as_the_single_run(tmp_path: Path, statuses: list, co
     kept = [line for line in stopped.read_text().splitlines()
             if '"case2"' not in line and '"case3"' not in line or "mlacheck_results" in line]
     stopped.write_text("\n".join(kept) + "\n")
-    single_code = gate_outcome(stopped, ["torch"], CoveragePolicy()).code
+    single_code = outcome(stopped, torch).code
     assert single_code in (1, 3, 6)
     assert merge.main([str(shards[0]), str(shards[2]), "--results", str(out),
                        "--no-report"]) == single_code

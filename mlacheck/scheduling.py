@@ -1,0 +1,100 @@
+"""How xdist hands matrix items to workers: a case's items to one worker, in order, and on
+GPUs only where the case fits beside what already runs there.
+
+Its inputs and references are then built once there for all its backends (mlacheck.harness
+shares them). The pytest plugin installs this scheduler for `--dist load` runs of the suite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def pick_unit(queue: list[str], need: Callable[[str], int], held: int, budget: int | None) -> str:
+    """The next case for a worker of a GPU on which cases holding `held` bytes run: the first
+    (longest) in the queue that fits beside them in `budget`; if none does, the one that needs
+    least (it waits for room the shortest). Without a budget (CPU, or unknown): the first."""
+    if budget is None:
+        return queue[0]
+    for scope in queue:
+        if held + need(scope) <= budget:
+            return scope
+    return min(queue, key=need)
+
+
+def case_scheduler(config: Any, log: Any, need: dict[str, int],
+                   gpu_dir: Path | None) -> Any:
+    """xdist's loadgroup scheduling (a case's items to one worker, in order), with three
+    changes. `need`: each case's device memory (footprint.estimate) by case id; `gpu_dir`:
+    where the workers publish their GPU (None: no GPUs).
+
+    - The queue keeps the collection's order (longest case first, mlacheck.cost), and a
+      worker gets its next case only when it starts the last item of the one it has (xdist
+      hands it over when at most 2 items are left): a long case is not committed to a worker
+      still busy with another.
+    - GPU memory: each worker publishes its GPU and budget (mlacheck.admission); a worker gets
+      the longest case that fits its GPU beside the cases already handed to that GPU's
+      workers (pick_unit), so no worker is given a case to wait for while another GPU has
+      room for it, and the large cases spread over the GPUs.
+    - The item a worker died under is not run again: loadscope puts the whole unfinished
+      group back, the crashed item included, so a kernel that aborts the process would take
+      down one worker after another (the item is recorded as CRASH).
+    """
+    from xdist.scheduler import LoadGroupScheduling
+
+    from mlacheck import admission
+
+    class CaseScheduling(LoadGroupScheduling):  # type: ignore[misc]
+        def __init__(self, config: Any, log: Any) -> None:
+            super().__init__(config, log)
+            self._gpus: dict[str, tuple[str, int]] | None = None
+
+        @staticmethod
+        def need(scope: str) -> int:
+            return need.get(scope, 0)
+
+        def gpus(self) -> dict[str, tuple[str, int]]:
+            """{worker id: (GPU, budget)}, read again while a worker (a new one replacing a
+            crashed one) has not been seen."""
+            if gpu_dir is None:
+                return {}
+            if self._gpus is None or any(n.gateway.id not in self._gpus for n in self.nodes):
+                self._gpus = admission.worker_gpus(gpu_dir)
+            return self._gpus
+
+        def _assign_work_unit(self, node: Any) -> None:
+            gpus = self.gpus()
+            mine = gpus.get(node.gateway.id)
+            if mine is not None and len(self.workqueue) > 1:
+                gpu, budget = mine
+                held = sum(self.need(scope) for other, work in self.assigned_work.items()
+                           if gpus.get(other.gateway.id, ("",))[0] == gpu
+                           for scope, unit in work.items() if not all(unit.values()))
+                scope = pick_unit(list(self.workqueue), self.need, held, budget)
+                self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+        def _reschedule(self, node: Any) -> None:
+            if (not node.shutting_down and self.workqueue
+                    and self._pending_of(self.assigned_work[node]) > 1):
+                return  # more than its last item still to run: no next case yet
+            super()._reschedule(node)
+
+        def remove_node(self, node: Any) -> str | None:
+            workload = self.assigned_work.pop(node)
+            pending = [nid for unit in workload.values() for nid, done in unit.items() if not done]
+            if not pending:
+                return None
+            crashed = pending[0]
+            for unit in workload.values():
+                if crashed in unit:
+                    unit[crashed] = True
+            self.workqueue.update((scope, unit) for scope, unit in workload.items()
+                                  if not all(unit.values()))
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashed
+
+    return CaseScheduling(config, log)
