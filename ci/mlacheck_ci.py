@@ -60,7 +60,9 @@ def _error(msg: str) -> int:
 
 def one_line(v: object) -> str:
     """A FAIL/CRASH verdict in one line: status, backend, op, case, reason, first location."""
-    unit = "segment" if v.op in ("mla_prefill", "paged_prefill") else "request"  # type: ignore[attr-defined]
+    from mlacheck.ops import unit_of
+
+    unit = unit_of(v.op)  # type: ignore[attr-defined]
     text = f"{v.status} {v.backend} {v.op} {v.case_id}"  # type: ignore[attr-defined]
     reason = " ".join(str(v.reason or "").split())  # type: ignore[attr-defined]
     if reason:

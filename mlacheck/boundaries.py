@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from mlacheck import kvcache
-from mlacheck.spec import FORMAT_BYTES, Case, DecodeCase, PrefillCase, SparseDecodeCase
+from mlacheck.spec import FORMAT_BYTES, Case, Op
 
 # Tile / split / partition sizes kernels use along kv (FlashAttention-style tiles 64-256,
 # split-K partitions 512-2048, AITER's kv granularity, FlashMLA's 64-token pages).
@@ -28,7 +28,7 @@ WIDE_PAGE_ID_BITS: tuple[int, ...] = (15, 16)
 # bf16 bound; measured with fault:narrow-accumulation on a 16-head decode (docs/detection.md).
 NARROW_ACCUMULATION_KV = 4096
 
-DECODE, PREFILL, SPARSE, PAGED = "mla_decode", "mla_prefill", "mla_sparse_decode", "paged_prefill"
+DECODE, PREFILL, SPARSE, PAGED = Op.DECODE, Op.PREFILL, Op.SPARSE_DECODE, Op.PAGED_PREFILL
 
 
 @dataclass(frozen=True)
@@ -39,44 +39,30 @@ class BoundaryClass:
     applies: Callable[[Case], bool]
     # Runs on a CPU within a pre-merge budget. The others need multi-GB pools (byte offsets
     # past 2^31 / 2^32): the large_kv cases of premerge/nightly, deselected on CPU gates.
+    # `applies` is asked only about cases of the class's ops (classes_of).
     cpu: bool = True
 
 
-def kv_lengths(case: Case) -> list[int]:
-    if isinstance(case, PrefillCase):
-        return [s.kv_len for s in case.segments]
-    return [r.kv_len for r in case.requests]
-
-
-def q_lengths(case: Case) -> list[int]:
-    if isinstance(case, PrefillCase):
-        return [s.q_len for s in case.segments]
-    return [r.q_len for r in case.requests]
-
-
 def _multiple_of(m: int) -> Callable[[Case], bool]:
-    return lambda case: any(n > 0 and n % m == 0 for n in kv_lengths(case))
+    return lambda case: any(n > 0 and n % m == 0 for n in case.kv_lengths)
 
 
 def _off_by_one(case: Case) -> bool:
     """A kv length one either side of a tile of 256 or more."""
-    return any(n % m in (1, m - 1) and n >= m - 1 for n in kv_lengths(case)
+    return any(n % m in (1, m - 1) and n >= m - 1 for n in case.kv_lengths
                for m in TILE_SIZES if m >= 256)
 
 
 def _longer_than(n: int) -> Callable[[Case], bool]:
-    return lambda case: max(kv_lengths(case)) > n
+    return lambda case: max(case.kv_lengths) > n
 
 
 def _page_geometry(case: Case) -> tuple[list[int], int, int] | None:
     """(kv lengths, page size, page bytes) of a paged case; None when not paged."""
-    lens = kv_lengths(case)
-    if isinstance(case, PrefillCase):
-        if case.paging is None:
-            return None
-        ps = case.paging.page_size
-        return lens, ps, ps * case.num_heads * case.dims.qk_head * FORMAT_BYTES[case.quant.kv]
-    return lens, case.page_size, case.page_size * case.dims.latent * FORMAT_BYTES[case.quant.kv]
+    if case.paging is None:
+        return None
+    ps = case.paging.page_size
+    return list(case.kv_lengths), ps, ps * case.page_token_values * FORMAT_BYTES[case.quant.kv]
 
 
 # Share of a request's live pages that must sit past a page-id boundary: a wrapped id that
@@ -116,8 +102,7 @@ def _partial_last_page(case: Case) -> bool:
 
 
 def _single_token_segment(case: Case) -> bool:
-    return (isinstance(case, PrefillCase) and len(case.segments) > 1
-            and any(s.q_len == 1 and s.context_len > 0 for s in case.segments))
+    return len(case.units) > 1 and any(u.q_len == 1 and u.kv_len > 1 for u in case.units)
 
 
 def _live_bytes_past(bound: int) -> Callable[[Case], bool]:
@@ -154,15 +139,14 @@ CLASSES: tuple[BoundaryClass, ...] = (
                   "a last page only partly filled: tails must be masked, lengths right",
                   (DECODE, PAGED), _partial_last_page),
     BoundaryClass("empty-request", "a decode request with no query token (padded batch slot)",
-                  (DECODE, SPARSE), lambda c: isinstance(c, DecodeCase | SparseDecodeCase)
-                  and c.has_empty),
+                  (DECODE, SPARSE), lambda c: c.has_empty),
     BoundaryClass("empty-segment", "a prefill segment with no query token (repeated cu_seqlens)",
-                  (PREFILL, PAGED), lambda c: isinstance(c, PrefillCase) and c.has_empty),
+                  (PREFILL, PAGED), lambda c: c.has_empty),
     BoundaryClass("single-token-segment",
                   "a one-token segment with context in a multi-segment prefill (decode-like "
                   "rows inside a prefill batch)", (PREFILL,), _single_token_segment),
     BoundaryClass("soft-cap", "scores soft-capped (cap * tanh(s / cap))", (PREFILL,),
-                  lambda c: isinstance(c, PrefillCase) and c.soft_cap > 0),
+                  lambda c: c.soft_cap > 0),
     BoundaryClass("per-token-scale", "FP8 scales per token instead of per tensor", (PREFILL,),
                   lambda c: c.quant.per_token and c.quant.is_fp8),
     BoundaryClass("pool-past-2^31", "live pages past 2^31 bytes: signed 32-bit offsets wrap",

@@ -55,30 +55,24 @@ def estimate(case: Case) -> Footprint:
     d, h = case.dims, case.num_heads
     qb, kb = FORMAT_BYTES[case.quant.q], FORMAT_BYTES[case.quant.kv]
     out_b = 2 if case.quant.q != "fp32" else FP32
-    if isinstance(case, PrefillCase):
-        tq, tk = case.total_q, case.total_kv
+    lens, tq, tk = case.kv_lengths, case.total_q, case.total_kv
+    longest, rows = max(lens), case.max_q_len * h
+    if isinstance(case, PrefillCase):  # the MHA form: per-head K and V
         inputs = (tq * h * d.qk_head * (FP32 + qb) + tk * h * (d.qk_head + d.v_head) * (FP32 + kb)
                   + tq * h * d.v_head * out_b)
         pools = 0
         if case.paging is not None:
             ps = case.paging.page_size
-            lens = [s.kv_len for s in case.segments]
             for width in (d.qk_head, d.v_head):
                 pages = kvcache.pool_page_count(lens, ps, ps * h * width * kb, case.placement)
                 pools += pages * ps * h * width * kb
-        longest = max(s.kv_len for s in case.segments)
-        rows = max(s.q_len for s in case.segments) * h
         refs = 2 * longest * h * (d.qk_head + d.v_head) * FP32  # golden + baseline operands
-    else:
-        lens = [r.kv_len for r in case.requests]
-        tq, tk = case.total_q, sum(lens)
+    else:  # the absorbed form: one latent pool
         inputs = tq * h * d.latent * (FP32 + qb) + tk * d.latent * (FP32 + kb) + (
             tq * h * d.kv_lora_rank * out_b)
-        ps = case.page_size
+        ps = case.paging.page_size
         pages = kvcache.pool_page_count(lens, ps, ps * d.latent * kb, case.placement)
         pools = pages * ps * d.latent * kb
-        longest = max(lens)
-        rows = max(r.q_len for r in case.requests) * h
         refs = 2 * longest * d.latent * FP32
     refs += min(SCORE_BLOCK_BYTES, rows * longest * FP32)
     return Footprint(inputs, pools, refs)

@@ -245,7 +245,7 @@ def _probe(case: Case, backend: Backend, inp: inputs_mod.Inputs, opts: RunOption
     and is left out."""
     found = judge.Probes()
     if alone and probes.units_worth_isolating(case):
-        cuts = judge.request_bounds(inp)
+        cuts = inp.row_bounds
         with_rows = [u for u in range(len(cuts) - 1) if cuts[u + 1] > cuts[u]]
         for u in with_rows[: probes.MAX_UNITS_ALONE]:
             with contextlib.suppress(Exception):

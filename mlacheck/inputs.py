@@ -15,7 +15,7 @@ import torch
 
 from mlacheck import fp8, kvcache, rng
 from mlacheck.kvcache import Guarded, KVPool, PageTable
-from mlacheck.spec import Case, DecodeCase, MLADims, PrefillCase, Quant, SparseDecodeCase
+from mlacheck.spec import Case, DecodeCase, MLADims, Op, PrefillCase, Quant, SparseDecodeCase
 
 # Realistic magnitudes: post-norm activations are O(1). With unit-variance q and k, a
 # 192-dim dot product times the V3 scale 0.135 has std ~1.9: a peaked but not one-hot softmax.
@@ -61,6 +61,16 @@ class PrefillInputs:
     v_pool: KVPool | None = None
 
     @property
+    def row_bounds(self) -> list[int]:
+        """Token-row boundaries of each segment (CSR)."""
+        return self.cu_seqlens_q.tolist()
+
+    @property
+    def paged_pool(self) -> KVPool | None:
+        """The pool failures name pages and bytes in: the K pool (None when unpaged)."""
+        return self.k_pool
+
+    @property
     def device(self) -> torch.device:
         return self.q.stored.device
 
@@ -76,6 +86,16 @@ class DecodeInputs:
     # Sparse only: per query token, logical kv positions in its request, -1 padded to topk.
     topk_indices: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
+
+    @property
+    def row_bounds(self) -> list[int]:
+        """Token-row boundaries of each request (CSR)."""
+        return self.qo_indptr.tolist()
+
+    @property
+    def paged_pool(self) -> KVPool:
+        """The pool failures name pages and bytes in: the latent pool."""
+        return self.pool
 
     @property
     def device(self) -> torch.device:
@@ -161,9 +181,10 @@ def cu_seqlens(lengths: list[int]) -> torch.Tensor:
 
 
 def build(case: Case, device: torch.device | str = "cpu") -> Inputs:
-    if isinstance(case, PrefillCase):
-        return _build_prefill(case, device)
-    return _build_decode(case, device)
+    """The tensors of a case (each op's builder: a new op adds its own, mlacheck/ops.py)."""
+    build_op = {Op.PREFILL: _build_prefill, Op.PAGED_PREFILL: _build_prefill,
+                Op.DECODE: _build_decode, Op.SPARSE_DECODE: _build_decode}[case.op]
+    return build_op(case, device)  # type: ignore[operator]
 
 
 def _build_prefill(case: PrefillCase, device: torch.device | str) -> PrefillInputs:

@@ -20,16 +20,8 @@ from mlacheck.backends.base import Output
 from mlacheck.golden.core import Result
 from mlacheck.inputs import Inputs, PrefillInputs
 from mlacheck.kvcache import byte_region
-from mlacheck.localise import (
-    diagnose,
-    localise,
-    pool_of,
-    request_bounds,
-    shared_properties,
-    unit_name,
-    units_phrase,
-)
-from mlacheck.spec import Case, PrefillCase
+from mlacheck.localise import diagnose, localise, shared_properties, units_phrase
+from mlacheck.spec import Case
 from mlacheck.verdict import FAIL, PASS, Check, Verdict, Where, ranges
 
 # --------------------------------------------------------------------------- metrics
@@ -307,7 +299,7 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
     checks.append(Check("tensor_rel_l2", t_err <= t_bound, t_err, t_bound))
 
     # LSE (natural log), where the case asks for it.
-    wants_lse = not isinstance(case, PrefillCase) or case.return_lse
+    wants_lse = case.return_lse
     failing = mismatch | bad  # every row some check fails: what diagnose() reads
     if wants_lse and output.lse is not None:
         found, lse_bad = _check_lse(inputs, output.lse.detach().cpu(), g_lse, baseline, checks,
@@ -341,7 +333,7 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
                                   .masked_fill(~finite, 0).max()),
         rows=int(err.numel()),
     )
-    pool = pool_of(inputs)
+    pool = inputs.paged_pool
     if pool is not None:  # where the live pages really sit (a >2 GB case must reach 2^31)
         top = max(pool.byte_range(r)[1] for r in range(pool.table.batch))
         v.metrics.update(pool_bytes=pool.nbytes, live_top_byte=top,
@@ -461,9 +453,9 @@ def refine_diagnosis(v: Verdict, inputs: Inputs, gold: Result, probes: Probes) -
     bound = float(v.metrics.get("bound", 0.0))
     g = gold.out.detach()  # compared where it is (_passes)
     case = inputs.case
-    unit = unit_name(case)
+    unit = case.unit_name
     if probes.relocated is not None and _passes(probes.relocated, g, bound):
-        pool = pool_of(inputs)
+        pool = inputs.paged_pool
         assert pool is not None
         top = int(pool.table.indices.max())
         top_byte = (top + 1) * pool.page_bytes
@@ -475,7 +467,7 @@ def refine_diagnosis(v: Verdict, inputs: Inputs, gold: Result, probes: Probes) -
                        f"{byte_region(0, top_byte, case.placement.offset_bits)})")
         v.metrics["axis"] = "pool"
         return
-    cuts = request_bounds(inputs)
+    cuts = inputs.row_bounds
     alone = {u: _passes(o, g[cuts[u] : cuts[u + 1]], bound) for u, o in probes.alone.items()}
     if alone and all(alone.values()) and v.metrics.get("axis") in ALONE_AXES:
         failing = [w.request for w in v.where]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mlacheck.spec import Case, DecodeCase, Quant, Request
+from mlacheck.spec import Case, DecodeCase, Op, Quant, Request
 
 
 @dataclass(frozen=True)
@@ -27,13 +27,15 @@ class KnownFailure:
     strict: bool = True
 
     def matches(self, backend: str, case: Case) -> bool:
+        """`applies` is asked only about cases of the rule's op."""
         return backend in self.backends and case.op == self.op and bool(self.applies(case))
 
 
 def _nan_poisoned_partial_last_page(case: Case) -> bool:
-    """A decode request whose last page is partial, in a pool whose tails hold NaN."""
-    return (isinstance(case, DecodeCase) and case.placement.tail_poison == "nan"
-            and any(r.kv_len % case.page_size for r in case.requests))
+    """A request whose last page is partial, in a pool whose tails hold NaN."""
+    paging = case.paging
+    return (paging is not None and case.placement.tail_poison == "nan"
+            and any(n % paging.page_size for n in case.kv_lengths))
 
 
 def _folded_kv_offset_wrong(gfx: str | None) -> Callable[[Case], bool]:
@@ -41,7 +43,7 @@ def _folded_kv_offset_wrong(gfx: str | None) -> Callable[[Case], bool]:
     def applies(case: Case) -> bool:
         from mlacheck.backends.aiter import folded_kv_offsets_wrong
 
-        return isinstance(case, DecodeCase) and folded_kv_offsets_wrong(case, gfx)
+        return folded_kv_offsets_wrong(case, gfx)  # asked about mla_decode cases only
 
     return applies
 
@@ -53,7 +55,7 @@ RULES: tuple[KnownFailure, ...] = (
     KnownFailure(
         name="aiter-triton-partial-page-tail",
         backends=("aiter-triton",),
-        op="mla_decode",
+        op=Op.DECODE,
         applies=_nan_poisoned_partial_last_page,
         finding=("AITER Triton mla_decode_fwd reads the unused tail of a partial last page "
                  "without a mask and multiplies it by P=0: NaN in stale cache memory turns every "
@@ -65,7 +67,7 @@ RULES: tuple[KnownFailure, ...] = (
     *(KnownFailure(
         name=f"aiter-v12-folded-last-page-lens-{gfx or 'env-chip'}",
         backends=backends,
-        op="mla_decode",
+        op=Op.DECODE,
         applies=_folded_kv_offset_wrong(gfx),
         finding=("AITER get_mla_metadata_v1 (v1.2 planner, csrc/kernels/mla/metadata/"
                  "v1_2_device.cuh at e4048607) indexes kv_last_page_lens by the pseudo-batch "

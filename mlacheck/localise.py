@@ -31,9 +31,9 @@ import torch
 
 from mlacheck import boundaries
 from mlacheck.golden.core import Operand, attend, per_tensor
-from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
-from mlacheck.kvcache import KVPool, byte_region
-from mlacheck.spec import Case, PrefillCase, SparseDecodeCase
+from mlacheck.inputs import DecodeInputs, Inputs
+from mlacheck.kvcache import byte_region
+from mlacheck.spec import Case, SparseDecodeCase
 from mlacheck.verdict import Where, ranges
 
 # Failing requests whose kv the KV-attribution test re-runs (the worst first).
@@ -43,23 +43,12 @@ MAX_KV_PROBES = 4
 EXPLAINED_FRACTION = 1.0
 
 
-def request_bounds(inputs: Inputs) -> list[int]:
-    """Token-row boundaries of each request/segment (CSR)."""
-    if isinstance(inputs, PrefillInputs):
-        return inputs.cu_seqlens_q.tolist()
-    return inputs.qo_indptr.tolist()
-
-
-def pool_of(inputs: Inputs) -> KVPool | None:
-    return inputs.pool if isinstance(inputs, DecodeInputs) else inputs.k_pool
-
-
 def localise(inputs: Inputs, bad: torch.Tensor, err: torch.Tensor, bound: float,
              check: str) -> list[Where]:
     """Group bad rows [T, H] by request: token range, heads, worst error, pages and bytes."""
-    cuts = request_bounds(inputs)
-    pool = pool_of(inputs)
-    kv_lens = boundaries.kv_lengths(inputs.case)
+    cuts = inputs.row_bounds
+    pool = inputs.paged_pool
+    kv_lens = inputs.case.kv_lengths
     found = []
     for r in range(len(cuts) - 1):
         blk = bad[cuts[r] : cuts[r + 1]]
@@ -85,13 +74,9 @@ class Diagnosis:
     text: str
 
 
-def unit_name(case: Case) -> str:
-    return "segment" if isinstance(case, PrefillCase) else "request"
-
-
 def units_phrase(case: Case, units: list[int]) -> str:
     """'request 2' / 'requests 1-3'."""
-    unit = unit_name(case)
+    unit = case.unit_name
     return f"{unit} {units[0]}" if len(units) == 1 else f"{unit}s {ranges(units)}"
 
 
@@ -100,8 +85,8 @@ def diagnose(case: Case, inputs: Inputs, bad: torch.Tensor, err: torch.Tensor,
     """The axis along which the bad rows [T, H] lie (see the module docstring)."""
     if not bool(bad.any()):
         return None
-    unit = unit_name(case)
-    cuts = request_bounds(inputs)
+    unit = case.unit_name
+    cuts = inputs.row_bounds
     n_units = len(cuts) - 1
     h = bad.shape[1]
     rows_of = [bad[cuts[u] : cuts[u + 1]] for u in range(n_units)]
@@ -170,7 +155,7 @@ def _same_heads_per_row(bad: torch.Tensor, heads: list[int]) -> bool:
 
 
 def _pool_region(case: Case, inputs: Inputs, bad: list[int], good: list[int]) -> str:
-    pool = pool_of(inputs)
+    pool = inputs.paged_pool
     if pool is None:
         return ""
     signed, unsigned = case.placement.wraps  # 2^31, 2^32 (or a scale model's)
@@ -178,8 +163,8 @@ def _pool_region(case: Case, inputs: Inputs, bad: list[int], good: list[int]) ->
         past = {u for u in bad + good if pool.byte_range(u)[1] > limit}
         if past and past == set(bad):
             name = f"2^{limit.bit_length() - 1}"
-            return (f"pool region: exactly the {unit_name(case)}s with live pages past {name} "
-                    f"bytes fail ({unit_name(case)}s {ranges(bad)}; the others sit below)")
+            return (f"pool region: exactly the {case.unit_name}s with live pages past {name} "
+                    f"bytes fail ({case.unit_name}s {ranges(bad)}; the others sit below)")
     return ""
 
 
@@ -198,8 +183,8 @@ def _shared(case: Case, inputs: Inputs, bad: list[int], good: list[int]) -> str:
 
 
 def _properties(case: Case, inputs: Inputs, u: int) -> dict[str, bool]:
-    lens = boundaries.kv_lengths(case)
-    qs = boundaries.q_lengths(case)
+    lens = case.kv_lengths
+    qs = case.q_lengths
     kv, q = lens[u], qs[u]
     out: dict[str, bool] = {}
     ps = _page_size(case)
@@ -220,9 +205,9 @@ def _properties(case: Case, inputs: Inputs, u: int) -> dict[str, bool]:
         out["a single query token"] = True
     if u > 0 and any(x == 0 for x in qs[:u]):
         out["an empty request/segment before them"] = True
-    if isinstance(case, PrefillCase) and case.segments[u].context_len:
+    if kv > q:
         out["cached context"] = True
-    pool = pool_of(inputs)
+    pool = inputs.paged_pool
     if pool is not None and pool.table.pages_of(u).numel():
         top = int(pool.table.pages_of(u).max())
         for bits in (16, 15):
@@ -233,9 +218,8 @@ def _properties(case: Case, inputs: Inputs, u: int) -> dict[str, bool]:
 
 
 def _page_size(case: Case) -> int:
-    if isinstance(case, PrefillCase):
-        return case.paging.page_size if case.paging else 0
-    return case.page_size
+    """Tokens per page (1 for an unpaged prefill: no page has a tail)."""
+    return case.paging.page_size if case.paging else 1
 
 
 def _kv_attribution(case: Case, inputs: Inputs, bad: list[int], good: list[int],
@@ -247,7 +231,7 @@ def _kv_attribution(case: Case, inputs: Inputs, bad: list[int], good: list[int],
     elsewhere: the pages, the pool region). '' when no probed request is explained."""
     if isinstance(case, SparseDecodeCase) or not bad:
         return ""
-    cuts = request_bounds(inputs)
+    cuts = inputs.row_bounds
 
     def rows(u: int) -> torch.Tensor:
         return out[cuts[u] : cuts[u + 1]]
@@ -293,8 +277,8 @@ def _explains(ref: torch.Tensor, got: torch.Tensor, bound: float) -> bool:
 def _tail_reference(case: Case, inputs: Inputs, u: int) -> torch.Tensor | None:
     """Attention of unit u over its kv read on to its last page's end (None: no partial
     last page, or no paged pool to read a tail from)."""
-    ps, kv = _page_size(case), boundaries.kv_lengths(case)[u]
-    if ps <= 1 or not kv % ps or pool_of(inputs) is None:
+    ps, kv = _page_size(case), case.kv_lengths[u]
+    if ps <= 1 or not kv % ps or inputs.paged_pool is None:
         return None
     q, k, v = _operands(case, inputs, u, whole_pages=True)
     return attend(q, k, v, case.softmax_scale, getattr(case, "causal", True),
@@ -313,11 +297,11 @@ def _tail_read(case: Case, inputs: Inputs, u: int, got: torch.Tensor, bound: flo
     ref = _tail_reference(case, inputs, u)
     if ref is None or not _explains(ref, got, bound):
         return None
-    ps, kv = _page_size(case), boundaries.kv_lengths(case)[u]
+    ps, kv = _page_size(case), case.kv_lengths[u]
     fill = kv % ps
-    pool = pool_of(inputs)
+    pool = inputs.paged_pool
     last = int(pool.table.pages_of(u)[-1]) if pool is not None else -1
-    return (f"{unit_name(case)} {u}: tokens {kv}..{kv - fill + ps - 1} past its kv_len, the "
+    return (f"{case.unit_name} {u}: tokens {kv}..{kv - fill + ps - 1} past its kv_len, the "
             f"poisoned tail of its last page (page {last}, {fill}/{ps} used) were read")
 
 
@@ -337,7 +321,7 @@ def _candidate_prefixes(kv: int, page_size: int) -> list[int]:
 
 def _explaining_prefix(case: Case, inputs: Inputs, u: int, got: torch.Tensor,
                        bound: float) -> str | None:
-    lens = boundaries.kv_lengths(case)
+    lens = case.kv_lengths
     kv, ps = lens[u], _page_size(case)
     if not torch.isfinite(got).all():
         return None
@@ -349,7 +333,7 @@ def _explaining_prefix(case: Case, inputs: Inputs, u: int, got: torch.Tensor,
                      getattr(case, "soft_cap", 0.0), dtype=torch.float32).out
         if _explains(ref, got, bound):
             where = _page_words(case, inputs, u, n, kv, ps)
-            return (f"{unit_name(case)} {u} attends to tokens 0..{n - 1} only: tokens "
+            return (f"{case.unit_name} {u} attends to tokens 0..{n - 1} only: tokens "
                     f"{n}..{kv - 1} of its kv ({where}) are not attended")
     return None
 
@@ -357,7 +341,7 @@ def _explaining_prefix(case: Case, inputs: Inputs, u: int, got: torch.Tensor,
 def _page_words(case: Case, inputs: Inputs, u: int, n: int, kv: int, ps: int) -> str:
     if not ps:
         return f"the last {kv - n}"
-    pool = pool_of(inputs)
+    pool = inputs.paged_pool
     first_page, last_page = n // ps, (kv - 1) // ps
     ids = pool.table.pages_of(u)[first_page : last_page + 1].tolist() if pool is not None else []
     span = "the last page" if first_page == last_page == -(-kv // ps) - 1 else (
@@ -369,7 +353,7 @@ def _operands(case: Case, inputs: Inputs, u: int, whole_pages: bool = False
               ) -> tuple[Operand, Operand, Operand | int]:
     """Request u's q, K, V as the exact golden reads them (whole_pages: K, V read on to the
     last page's end, as a kernel reading past kv_len sees them; paged pools only)."""
-    cuts = request_bounds(inputs)
+    cuts = inputs.row_bounds
     if isinstance(inputs, DecodeInputs):
         q = Operand(inputs.q.stored, per_tensor(inputs.q.scale)).view(
             lambda x: x[cuts[u] : cuts[u + 1]])
@@ -390,4 +374,4 @@ def _operands(case: Case, inputs: Inputs, u: int, whole_pages: bool = False
     return q, k, v
 
 
-__all__ = ["Diagnosis", "diagnose", "localise", "request_bounds", "shared_properties"]
+__all__ = ["Diagnosis", "diagnose", "localise", "shared_properties"]

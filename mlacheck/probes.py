@@ -109,6 +109,4 @@ def relocated(inputs: Inputs) -> Inputs:
 
 def units_worth_isolating(case: Case) -> bool:
     """A batch of several units with rows (sparse cases have their own pseudo-batches)."""
-    lens = [s.q_len for s in case.segments] if isinstance(case, PrefillCase) else [
-        r.q_len for r in case.requests]
-    return not isinstance(case, SparseDecodeCase) and sum(q > 0 for q in lens) > 1
+    return not isinstance(case, SparseDecodeCase) and sum(q > 0 for q in case.q_lengths) > 1

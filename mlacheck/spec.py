@@ -3,6 +3,13 @@
 A case is a frozen, JSON-serialisable description of one kernel invocation. Everything
 else (tensors, pools, references, verdicts) is derived from it deterministically, so a
 case id is enough to reproduce a failure anywhere (`mlacheck replay <id|case.json>`).
+
+Every case answers the same questions the same way, whatever its kind, so readers
+(capabilities, footprint, boundaries, localisation, backends) need not branch on the case
+type for shared facts: `op` (mlacheck.ops.Op), `units` (its segments or requests: each has
+`q_len` and `kv_len`), `unit_name`, `q_lengths`, `kv_lengths`, `total_q`, `total_kv`,
+`max_q_len`, `has_empty`, `paging` (page size and layout; None for an unpaged prefill) and
+`page_token_values` (the values one token takes in a page of its pool).
 """
 
 from __future__ import annotations
@@ -16,10 +23,9 @@ from typing import Any, ClassVar, Literal
 
 from mlacheck import layouts
 from mlacheck.formats import FORMAT_BYTES, FORMATS, VECTOR_BYTES, vector_width  # noqa: F401 (re-exported)
+from mlacheck.ops import OPS, Op  # noqa: F401 (re-exported: the ops, defined once there)
 
 # --------------------------------------------------------------------------- dims
-
-OPS: tuple[str, ...] = ("mla_prefill", "mla_decode", "mla_sparse_decode", "paged_prefill")
 
 ScalePolicy = Literal["unit", "amax"]
 Layout = str  # a name in mlacheck.layouts.LAYOUTS (the layouts are defined there, once)
@@ -229,7 +235,7 @@ class Paging:
 @dataclass(frozen=True)
 class _CaseBase:
     kind: ClassVar[str] = ""
-    op: ClassVar[str] = ""
+    op: ClassVar[Op]
     # Fields added after the first case schema. Case ids and seeds hash the *identity*
     # JSON, which leaves such a field out while it holds its default: adding a defaulted
     # field therefore changes no existing id and no existing case's data (known-failure
@@ -264,6 +270,43 @@ class _CaseBase:
     @property
     def softmax_scale(self) -> float:
         return softmax_scale(self.dims)  # type: ignore[attr-defined]
+
+    # -- the shared facts, one shape for every kind of case
+
+    @property
+    def units(self) -> tuple[Segment, ...] | tuple[Request, ...]:
+        """The independent parts of the batch: prefill segments or decode requests."""
+        raise NotImplementedError  # pragma: no cover - each case type says
+
+    @property
+    def unit_name(self) -> str:
+        """"segment" or "request": what a failure location names."""
+        return Op(self.op).unit
+
+    @property
+    def q_lengths(self) -> tuple[int, ...]:
+        return tuple(u.q_len for u in self.units)
+
+    @property
+    def kv_lengths(self) -> tuple[int, ...]:
+        return tuple(u.kv_len for u in self.units)
+
+    @property
+    def total_q(self) -> int:
+        return sum(self.q_lengths)
+
+    @property
+    def total_kv(self) -> int:
+        return sum(self.kv_lengths)
+
+    @property
+    def max_q_len(self) -> int:
+        return max(self.q_lengths)
+
+    @property
+    def has_empty(self) -> bool:
+        """Some request / segment has no query token (an empty one)."""
+        return any(q == 0 for q in self.q_lengths)
 
 
 def _check_common(num_heads: int, seed: int) -> None:
@@ -314,21 +357,17 @@ class PrefillCase(_CaseBase):
                 raise ValueError(problem)
 
     @property
-    def op(self) -> str:  # type: ignore[override]
-        return "paged_prefill" if self.paging is not None else "mla_prefill"
+    def op(self) -> Op:  # type: ignore[override]
+        return Op.PAGED_PREFILL if self.paging is not None else Op.PREFILL
 
     @property
-    def total_q(self) -> int:
-        return sum(s.q_len for s in self.segments)
+    def units(self) -> tuple[Segment, ...]:
+        return self.segments
 
     @property
-    def total_kv(self) -> int:
-        return sum(s.kv_len for s in self.segments)
-
-    @property
-    def has_empty(self) -> bool:
-        """Some segment has no query token (an empty segment)."""
-        return any(s.q_len == 0 for s in self.segments)
+    def page_token_values(self) -> int:
+        """Values per token in a page of the K pool (every head's 192-wide key)."""
+        return self.num_heads * self.dims.qk_head
 
     @property
     def slug(self) -> str:
@@ -360,6 +399,8 @@ class _Requests:
     quant: Quant
     seed: int
     layout: Layout
+    dims: MLADims
+    return_lse = True  # decode always returns its LSE (not a field: no case id changes)
 
     def _check_decode(self) -> None:
         _check_common(self.num_heads, self.seed)
@@ -378,17 +419,18 @@ class _Requests:
         return f"p{self.page_size}{tag}"
 
     @property
-    def total_q(self) -> int:
-        return sum(r.q_len for r in self.requests)
+    def units(self) -> tuple[Request, ...]:
+        return self.requests
 
     @property
-    def max_q_len(self) -> int:
-        return max(r.q_len for r in self.requests)
+    def paging(self) -> Paging:
+        """The latent pool's pages (every decode case is paged)."""
+        return Paging(self.page_size, self.layout)
 
     @property
-    def has_empty(self) -> bool:
-        """Some request has no query token (an empty request)."""
-        return any(r.q_len == 0 for r in self.requests)
+    def page_token_values(self) -> int:
+        """Values per token in a page of the latent pool: [c_kv || k_pe], 576."""
+        return self.dims.latent
 
     def _batch_slug(self, kind: str) -> list[str]:
         kv = [r.kv_len for r in self.requests]
@@ -406,7 +448,7 @@ class DecodeCase(_Requests, _CaseBase):
     """Absorbed-MQA decode (q 576, kv 576 latent, out 512) over a paged latent pool."""
 
     kind: ClassVar[str] = "decode"
-    op: ClassVar[str] = "mla_decode"
+    op: ClassVar[Op] = Op.DECODE
     requests: tuple[Request, ...] = (Request(1, 256),)
     num_heads: int = 16
     page_size: int = 16
@@ -446,7 +488,7 @@ class SparseDecodeCase(_Requests, _CaseBase):
     """
 
     kind: ClassVar[str] = "sparse"
-    op: ClassVar[str] = "mla_sparse_decode"
+    op: ClassVar[Op] = Op.SPARSE_DECODE
     requests: tuple[Request, ...] = (Request(1, 2048),)
     topk: int = 2048
     valid_cap: int | None = None
@@ -713,6 +755,7 @@ __all__ = [
     "FORMATS",
     "NO_YARN",
     "OPS",
+    "Op",
     "Case",
     "DecodeCase",
     "MLADims",

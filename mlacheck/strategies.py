@@ -32,6 +32,7 @@ from mlacheck.spec import (
     NO_YARN,
     Case,
     DecodeCase,
+    Op,
     Paging,
     Placement,
     PrefillCase,
@@ -346,10 +347,10 @@ def sparse_cases(
 def cases(op: str = "any") -> st.SearchStrategy[Case]:
     """The default strategy for one op name (spec.OPS), or for all of them ("any")."""
     by_op: dict[str, st.SearchStrategy[Case]] = {
-        "mla_prefill": prefill_cases(),
-        "paged_prefill": paged_prefill_cases(),
-        "mla_decode": decode_cases(),
-        "mla_sparse_decode": sparse_cases(),
+        Op.PREFILL: prefill_cases(),
+        Op.PAGED_PREFILL: paged_prefill_cases(),
+        Op.DECODE: decode_cases(),
+        Op.SPARSE_DECODE: sparse_cases(),
     }
     if op == "any":
         return st.one_of(*by_op.values())

@@ -29,6 +29,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from mlacheck.ops import unit_of
+
 PASS, FAIL, CRASH, SKIP = "PASS", "FAIL", "CRASH", "SKIP"
 # mlacheck itself failed on the case (building inputs or the golden): the suite's error,
 # never charged to the kernel under test.
@@ -164,8 +166,7 @@ class Verdict:
         for c in self.failed_checks:
             b = f" (value {c.value:.3g}, bound {c.bound:.3g})" if c.value is not None and c.bound is not None else ""
             lines.append(f"  check {c.name} failed{b}{': ' + c.detail if c.detail else ''}")
-        unit = "segment" if self.op in ("mla_prefill", "paged_prefill") else "request"
-        lines += [f"  at {w.message(unit)}" for w in self.where[:12]]
+        lines += [f"  at {w.message(unit_of(self.op))}" for w in self.where[:12]]
         if len(self.where) > 12:
             lines.append(f"  ... and {len(self.where) - 12} more locations")
         return "\n".join(lines)

@@ -61,7 +61,7 @@ from mlacheck.backends.toolkit import (  # topk_to_global_slots: re-exported (te
 )
 from mlacheck.fp8 import format_of
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs, cu_seqlens
-from mlacheck.spec import Case, DecodeCase, SparseDecodeCase
+from mlacheck.spec import Case, DecodeCase, Op, SparseDecodeCase
 
 # --------------------------------------------------------------------------- AITER modules
 
@@ -76,12 +76,12 @@ MOD_TYPES = "aiter.ops.triton.utils.types"
 
 # Files (relative to the aiter package) each op needs: checked before anything is imported.
 OP_FILES: dict[str, tuple[str, ...]] = {
-    "mla_decode": ("ops/triton/attention/mla.py",),
-    "mla_prefill": ("ops/triton/attention/mha_v3.py",
+    Op.DECODE: ("ops/triton/attention/mla.py",),
+    Op.PREFILL: ("ops/triton/attention/mha_v3.py",
                     "ops/triton/_triton_kernels/flash_attn_triton_amd/interface_v3.py"),
-    "mla_sparse_decode": ("ops/triton/attention/unified_attention_sparse_mla.py",),
+    Op.SPARSE_DECODE: ("ops/triton/attention/unified_attention_sparse_mla.py",),
     "mla_decode_rope": ("ops/triton/attention/mla_decode_rope.py",),
-    "paged_prefill": ("ops/triton/attention/extend_attention.py",),
+    Op.PAGED_PREFILL: ("ops/triton/attention/extend_attention.py",),
 }
 
 # The keyword parameters passed to each installed entry point (checked with inspect.signature:
@@ -395,24 +395,24 @@ def load() -> Loaded | str:
     stub = compat.ensure_interpreter_target()
     if stub:
         loaded.notes.append(stub)
-    _import_op("mla_decode", loaded, {"mla": MOD_MLA})
-    _import_op("mla_prefill", loaded, {"mha_v3": MOD_MHA_V3, "fa3": MOD_FA3,
+    _import_op(Op.DECODE, loaded, {"mla": MOD_MLA})
+    _import_op(Op.PREFILL, loaded, {"mha_v3": MOD_MHA_V3, "fa3": MOD_FA3,
                                        "fwd_prefill": MOD_FWD_PREFILL})
-    _import_op("mla_sparse_decode", loaded, {"sparse": MOD_SPARSE})
+    _import_op(Op.SPARSE_DECODE, loaded, {"sparse": MOD_SPARSE})
     _import_op("mla_decode_rope", loaded, {"rope": MOD_ROPE})
-    _import_op("paged_prefill", loaded, {"extend": MOD_EXTEND})
+    _import_op(Op.PAGED_PREFILL, loaded, {"extend": MOD_EXTEND})
     try:
         loaded.modules["types"] = importlib.import_module(MOD_TYPES)
     except Exception as e:  # only needed for AITER's own FP8 choice on ROCm
         loaded.notes.append(f"{MOD_TYPES} not importable: {type(e).__name__}")
     entries = {
-        "mla_decode": ("mla", "mla_decode_fwd", "mla.mla_decode_fwd"),
-        "mla_prefill": ("mha_v3", "flash_attn_varlen_func", "mha_v3.flash_attn_varlen_func"),
-        "mla_sparse_decode": ("sparse", "unified_attention_sparse_mla",
+        Op.DECODE: ("mla", "mla_decode_fwd", "mla.mla_decode_fwd"),
+        Op.PREFILL: ("mha_v3", "flash_attn_varlen_func", "mha_v3.flash_attn_varlen_func"),
+        Op.SPARSE_DECODE: ("sparse", "unified_attention_sparse_mla",
                               "unified_attention_sparse_mla.unified_attention_sparse_mla"),
         "mla_decode_rope": ("rope", "decode_attention_fwd_grouped_rope",
                             "mla_decode_rope.decode_attention_fwd_grouped_rope"),
-        "paged_prefill": ("extend", "extend_attention_fwd", "extend_attention.extend_attention_fwd"),
+        Op.PAGED_PREFILL: ("extend", "extend_attention_fwd", "extend_attention.extend_attention_fwd"),
     }
     for op, (mod, attr, key) in entries.items():
         if op in loaded.problems:
@@ -424,11 +424,11 @@ def load() -> Loaded | str:
         why = signature_problem(fn, key, CALLED_PARAMETERS[key])
         if why:
             loaded.problems[op] = why
-    if "mla_prefill" not in loaded.problems:
+    if Op.PREFILL not in loaded.problems:
         why = signature_problem(loaded.modules["fa3"].fwd, "interface_v3.fwd",
                                 CALLED_PARAMETERS["interface_v3.fwd"])
         if why:
-            loaded.problems["mla_prefill"] = why
+            loaded.problems[Op.PREFILL] = why
     _LOADED = loaded
     return loaded
 
@@ -481,43 +481,43 @@ class AiterTritonBackend:
                     f"at most {self._fp8_heads()} heads per launch (shared memory).")
         pages = POW2_PAGES_FROM_16 if amd else NVIDIA_PAGES
         fp8_min_page = 0 if amd or interp else NVIDIA_FP8_Q_MIN_PAGE
-        if "mla_decode" in ops and self.decode_entry == "mla_decode_fwd":
+        if Op.DECODE in ops and self.decode_entry == "mla_decode_fwd":
             pairs = same | ({("bf16", fp8[0])} if fp8 else set())
-            caps["mla_decode"] = Capability(
+            caps[Op.DECODE] = Capability(
                 q_formats=base + fp8, kv_formats=base + fp8, format_pairs=frozenset(pairs),
                 scale_policies=("unit", "amax"), page_sizes=pages,
                 rules=(fp8_q_needs_page(fp8_min_page),) if fp8_min_page else (),
                 head_counts=Range(1, 128), q_len=Range(1, None), empty_requests=True,
                 causal=(True,), layouts=DECODE_LAYOUTS, devices=devices,
-                refusal=problems.get("mla_decode"),
+                refusal=problems.get(Op.DECODE),
                 notes="mla_decode_fwd (vLLM block table); page size = tile (tl.dot needs >= 16); "
                       "one q_len per launch: a mixed batch runs as one launch per run of "
                       "consecutive requests with one q_len, empty requests left out; causal "
                       "bottom-right; LSE from a skip_reduce launch." + fp8_note)
-        if "mla_decode" in ops and self.decode_entry == "grouped_rope":
-            caps["mla_decode"] = Capability(
+        if Op.DECODE in ops and self.decode_entry == "grouped_rope":
+            caps[Op.DECODE] = Capability(
                 q_formats=base, kv_formats=base, format_pairs=frozenset({(f, f) for f in base}),
                 page_sizes=None, head_counts=Range(1, 128), q_len=Range(1, 1), causal=(True,),
                 layouts=DECODE_LAYOUTS, devices=devices, refusal=problems.get("mla_decode_rope"),
                 notes="decode_attention_fwd_grouped_rope on token slots (any page size), "
                       f"q_len 1, no FP8 scales, {ROPE_KV_SPLITS} kv splits, LSE from the splits")
-        if "mla_prefill" in ops:
-            caps["mla_prefill"] = Capability(
+        if Op.PREFILL in ops:
+            caps[Op.PREFILL] = Capability(
                 q_formats=base + fp8, kv_formats=base + fp8, format_pairs=frozenset(same),
                 scale_policies=("unit", "amax"), causal=(True, False), lse=True, soft_cap=False,
                 devices=("cuda",) if torch.cuda.is_available() or compat.compile_only() else (),
-                refusal=problems.get("mla_prefill"),
+                refusal=problems.get(Op.PREFILL),
                 notes="mha_v3.flash_attn_varlen_func, ragged cu_seqlens, causal bottom-right "
                       "(seqlen_k - seqlen_q offset); FP8 = FP8 q/k/v with per-tensor descales "
                       "expanded to [B, H]; LSE from a second launch of interface_v3.fwd; "
                       "GPU only (AITER asserts q.is_cuda)." + fp8_note.split(";")[0])
-        if "mla_sparse_decode" in ops:
-            caps["mla_sparse_decode"] = Capability(
+        if Op.SPARSE_DECODE in ops:
+            caps[Op.SPARSE_DECODE] = Capability(
                 q_formats=base, kv_formats=base, format_pairs=frozenset({(f, f) for f in base}),
                 head_counts=Range(16, 128), heads_multiple_of=16, lse=False,
                 q_len=Range(1, None), causal=(True,), empty_requests=True,
                 rules=(sparse_rows_nonempty, sparse_pool_covers_a_tile),
-                layouts=DECODE_LAYOUTS, devices=devices, refusal=problems.get("mla_sparse_decode"),
+                layouts=DECODE_LAYOUTS, devices=devices, refusal=problems.get(Op.SPARSE_DECODE),
                 reasons={"q_formats": "no scale arguments: no FP8",
                          "kv_formats": "no scale arguments: no FP8",
                          "head_counts": "BLOCK_M 16, grid T * H // 16: fewer heads compute "
@@ -527,11 +527,11 @@ class AiterTritonBackend:
                       "the page size is the kernel's tile: pages it cannot tile "
                       f"(not in {pages}) go in as a view with {SPARSE_VIEW_TILE}-token pages "
                       "of the same bytes; empty requests left out; no FP8 scales; no LSE.")
-        if "paged_prefill" in ops:
-            caps["paged_prefill"] = Capability(
+        if Op.PAGED_PREFILL in ops:
+            caps[Op.PAGED_PREFILL] = Capability(
                 q_formats=base, kv_formats=base, format_pairs=frozenset({(f, f) for f in base}),
                 lse=False, soft_cap=True, causal=(True, False), empty_requests=True,
-                layouts=DECODE_LAYOUTS, devices=devices, refusal=problems.get("paged_prefill"),
+                layouts=DECODE_LAYOUTS, devices=devices, refusal=problems.get(Op.PAGED_PREFILL),
                 reasons={"lse": "extend_attention_fwd returns no LSE; AITER's other Triton "
                                 "paged prefills take one head size for q, k and v "
                                 "(unified_attention, pa_prefill 'assert Lq == Lk and Lk == Lv', "
@@ -565,9 +565,9 @@ class AiterTritonBackend:
     def _ops(self) -> dict[str, str]:
         """mlacheck op -> loading key."""
         if self.decode_entry == "grouped_rope":
-            return {"mla_decode": "mla_decode_rope"}
-        return {"mla_decode": "mla_decode", "mla_prefill": "mla_prefill",
-                "mla_sparse_decode": "mla_sparse_decode", "paged_prefill": "paged_prefill"}
+            return {Op.DECODE: "mla_decode_rope"}
+        return {Op.DECODE: Op.DECODE, Op.PREFILL: Op.PREFILL,
+                Op.SPARSE_DECODE: Op.SPARSE_DECODE, Op.PAGED_PREFILL: Op.PAGED_PREFILL}
 
     @staticmethod
     def _fp8_format(got: Loaded) -> str:
@@ -587,7 +587,7 @@ class AiterTritonBackend:
 
     # -- mla_decode: mla_decode_fwd
     def _decode(self, got: Loaded, inp: DecodeInputs) -> Output:
-        self._require(got, "mla_decode")
+        self._require(got, Op.DECODE)
         case = inp.case
         mla = got.modules["mla"]
         dev = inp.device
@@ -678,7 +678,7 @@ class AiterTritonBackend:
 
     # -- mla_sparse_decode
     def _sparse(self, got: Loaded, inp: DecodeInputs) -> Output:
-        self._require(got, "mla_sparse_decode")
+        self._require(got, Op.SPARSE_DECODE)
         case = inp.case
         assert isinstance(case, SparseDecodeCase) and inp.topk_indices is not None
         sparse = got.modules["sparse"]
@@ -713,7 +713,7 @@ class AiterTritonBackend:
 
     # -- paged_prefill: extend_attention_fwd
     def _paged_prefill(self, got: Loaded, inp: PrefillInputs) -> Output:
-        self._require(got, "paged_prefill")
+        self._require(got, Op.PAGED_PREFILL)
         case = inp.case
         assert inp.k_pool is not None and inp.v_pool is not None
         ext = got.modules["extend"]
@@ -747,7 +747,7 @@ class AiterTritonBackend:
 
     # -- mla_prefill
     def _prefill(self, got: Loaded, inp: PrefillInputs) -> Output:
-        self._require(got, "mla_prefill")
+        self._require(got, Op.PREFILL)
         case = inp.case
         mha_v3, fa3 = got.modules["mha_v3"], got.modules["fa3"]
         amd = compat.on_rocm() or not self.compat_layer

@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from mlacheck.inputs import Inputs
-from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
+from mlacheck.spec import Case, PrefillCase, SparseDecodeCase
 
 
 @dataclass(frozen=True)
@@ -117,41 +117,32 @@ class Capability:
             ("empty_requests", self.empty_requests or not case.has_empty,
              "empty requests/segments (q_len 0) not supported"),
         ]
-        if isinstance(case, PrefillCase):
+        if isinstance(case, PrefillCase):  # what only a prefill has: the mask, LSE, soft cap
             checks += [
                 ("causal", case.causal in self.causal, f"causal={case.causal} not supported"),
                 ("lse", not case.return_lse or self.lse, "LSE output not supported"),
                 ("soft_cap", not case.soft_cap or self.soft_cap, "soft cap not supported"),
-                ("q_len", all(s.q_len in self.q_len for s in case.segments if s.q_len),
-                 f"segment q_len outside {self.q_len}"),
-                ("max_batch", self.max_batch is None or len(case.segments) <= self.max_batch,
-                 f"{len(case.segments)} segments > max batch {self.max_batch}"),
             ]
-            if case.paging is not None:
-                checks += [
-                    ("page_sizes", _ok(case.paging.page_size, self.page_sizes),
-                     f"page size {case.paging.page_size} not in {_fmt(self.page_sizes)}"),
-                    ("layouts", _ok(case.paging.layout, self.layouts),
-                     f"layout {case.paging.layout} not in {_fmt(self.layouts)}"),
-                ]
-        else:
-            assert isinstance(case, DecodeCase | SparseDecodeCase)
+        paging = case.paging
+        if paging is not None:
             checks += [
-                ("page_sizes", _ok(case.page_size, self.page_sizes),
-                 f"page size {case.page_size} not in {_fmt(self.page_sizes)}"),
-                ("layouts", _ok(case.layout, self.layouts),
-                 f"layout {case.layout} not in {_fmt(self.layouts)}"),
-                ("q_len", all(r.q_len in self.q_len for r in case.requests if r.q_len),
-                 f"q_len {case.max_q_len} outside {self.q_len}"),
-                ("max_batch", self.max_batch is None or len(case.requests) <= self.max_batch,
-                 f"batch {len(case.requests)} > max batch {self.max_batch}"),
-                ("uniform_q_len",
-                 not self.uniform_q_len or len({r.q_len for r in case.requests if r.q_len}) <= 1,
-                 "mixed q_len in one batch (the kernel takes one q_len per batch)"),
+                ("page_sizes", _ok(paging.page_size, self.page_sizes),
+                 f"page size {paging.page_size} not in {_fmt(self.page_sizes)}"),
+                ("layouts", _ok(paging.layout, self.layouts),
+                 f"layout {paging.layout} not in {_fmt(self.layouts)}"),
             ]
-            if isinstance(case, SparseDecodeCase):
-                checks.append(("max_topk", self.max_topk is None or case.topk <= self.max_topk,
-                               f"topk {case.topk} > max {self.max_topk}"))
+        checks += [
+            ("q_len", all(q in self.q_len for q in case.q_lengths if q),
+             f"{case.unit_name} q_len {case.max_q_len} outside {self.q_len}"),
+            ("max_batch", self.max_batch is None or len(case.units) <= self.max_batch,
+             f"{len(case.units)} {case.unit_name}s > max batch {self.max_batch}"),
+            ("uniform_q_len",
+             not self.uniform_q_len or len({q for q in case.q_lengths if q}) <= 1,
+             "mixed q_len in one batch (the kernel takes one q_len per batch)"),
+        ]
+        if isinstance(case, SparseDecodeCase):
+            checks.append(("max_topk", self.max_topk is None or case.topk <= self.max_topk,
+                           f"topk {case.topk} > max {self.max_topk}"))
         for name, ok, reason in checks:
             if not ok:
                 why = self.reasons.get(name)

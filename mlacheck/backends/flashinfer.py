@@ -54,7 +54,7 @@ from mlacheck.backends.toolkit import (
     topk_to_global_slots,
 )
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
-from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
+from mlacheck.spec import Case, DecodeCase, Op, PrefillCase, SparseDecodeCase
 
 MODULE = "flashinfer"
 DISTRIBUTIONS = ("flashinfer-python", "flashinfer")
@@ -88,10 +88,10 @@ CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
         "q", "paged_kv_cache", "out", "return_lse"),
 }
 OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
-    "mla_decode": tuple(k for k in CALLED_PARAMETERS if k.startswith("mla.")),
-    "mla_sparse_decode": tuple(k for k in CALLED_PARAMETERS if k.startswith("mla.")),
-    "mla_prefill": tuple(k for k in CALLED_PARAMETERS if k.startswith("prefill.BatchPrefillWithRagged")),
-    "paged_prefill": tuple(k for k in CALLED_PARAMETERS if k.startswith("prefill.BatchPrefillWithPaged")),
+    Op.DECODE: tuple(k for k in CALLED_PARAMETERS if k.startswith("mla.")),
+    Op.SPARSE_DECODE: tuple(k for k in CALLED_PARAMETERS if k.startswith("mla.")),
+    Op.PREFILL: tuple(k for k in CALLED_PARAMETERS if k.startswith("prefill.BatchPrefillWithRagged")),
+    Op.PAGED_PREFILL: tuple(k for k in CALLED_PARAMETERS if k.startswith("prefill.BatchPrefillWithPaged")),
 }
 # FP8 KV in the MLA decode (0.7.x): extra keywords of plan / run, used only when present.
 FP8_PLAN_PARAMETER = "scale_mode"
@@ -192,28 +192,28 @@ class FlashInferBackend(LibraryAdapter):
             reasons=reasons)
         prefill_pairs = frozenset((f, f) for f in PREFILL_FORMATS)
         return {
-            "mla_decode": Capability(
-                **decode, causal=(True,), refusal=problem["mla_decode"],
+            Op.DECODE: Capability(
+                **decode, causal=(True,), refusal=problem[Op.DECODE],
                 notes=f"BatchMLAPagedAttentionWrapper backend={self.kernel}; latent cache as "
                       "strided ckv/kpe views of mlacheck's pool; LSE base 2 -> natural" + fp8_note),
-            "mla_sparse_decode": Capability(
-                **decode, refusal=problem["mla_sparse_decode"],
+            Op.SPARSE_DECODE: Capability(
+                **decode, refusal=problem[Op.SPARSE_DECODE],
                 notes=f"BatchMLAPagedAttentionWrapper backend={self.kernel} at page size 1: the "
                       "pool viewed as flat tokens, one request per query token, its valid top-k "
                       "global slots as kv_indices, causal off; LSE base 2 -> natural" + fp8_note),
-            "mla_prefill": Capability(
+            Op.PREFILL: Capability(
                 q_formats=PREFILL_FORMATS, kv_formats=PREFILL_FORMATS, format_pairs=prefill_pairs,
                 soft_cap=True, lse=True, empty_requests=True, devices=("cuda",),
-                reasons=prefill_reasons, refusal=problem["mla_prefill"],
+                reasons=prefill_reasons, refusal=problem[Op.PREFILL],
                 notes=f"BatchPrefillWithRaggedKVCacheWrapper backend={self.kernel}, q/k 192, "
                       "v 128; LSE base 2 -> natural"),
-            "paged_prefill": Capability(
+            Op.PAGED_PREFILL: Capability(
                 q_formats=PREFILL_FORMATS, kv_formats=PREFILL_FORMATS, format_pairs=prefill_pairs,
                 soft_cap=True, lse=True, empty_requests=True, devices=("cuda",),
                 layouts=(layouts.LINEAR.name,),
                 reasons={**prefill_reasons,
                          "layouts": "FlashInfer's paged KV cache is NHD / HND pages"},
-                refusal=problem["paged_prefill"] or self._paged_prefill_refusal(got),
+                refusal=problem[Op.PAGED_PREFILL] or self._paged_prefill_refusal(got),
                 notes=f"BatchPrefillWithPagedKVCacheWrapper backend={self.kernel}, NHD, "
                       "head_dim_qk 192 / head_dim_vo 128 over mlacheck's K and V pools as they "
                       "are; LSE base 2 -> natural"),

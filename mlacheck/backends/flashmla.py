@@ -51,7 +51,7 @@ from mlacheck.backends.toolkit import (
 )
 from mlacheck.inputs import DecodeInputs, Inputs, generator
 from mlacheck.kvcache import KVPool, repaged
-from mlacheck.spec import Case, DecodeCase, SparseDecodeCase
+from mlacheck.spec import Case, DecodeCase, Op, SparseDecodeCase
 
 MODULE = "flash_mla"
 DISTRIBUTIONS = ("flash_mla", "flash-mla")
@@ -90,9 +90,9 @@ SPARSE_REASONS = {
 
 # The MHA-form prefill ops: kernel limits, read in FlashMLA's sources (9241ae3).
 PREFILL_REFUSALS = {
-    "mla_prefill": "FlashMLA's dense prefill (flash_attn_varlen_func, csrc/sm100/prefill/dense) "
+    Op.PREFILL: "FlashMLA's dense prefill (flash_attn_varlen_func, csrc/sm100/prefill/dense) "
                    "is sm_100 only: no sm_90 kernel",
-    "paged_prefill": "FlashMLA has no paged MHA prefill (its prefills: the sm_100 dense varlen "
+    Op.PAGED_PREFILL: "FlashMLA has no paged MHA prefill (its prefills: the sm_100 dense varlen "
                      "and the top-k sparse prefill flash_mla_sparse_fwd)",
 }
 
@@ -119,12 +119,12 @@ class FlashMLABackend(LibraryAdapter):
     def capabilities(self) -> dict[str, Capability]:
         got = self.loaded()
         if isinstance(got, str):
-            return {"mla_decode": Capability(refusal=got),
-                    "mla_sparse_decode": Capability(refusal=got)}
+            return {Op.DECODE: Capability(refusal=got),
+                    Op.SPARSE_DECODE: Capability(refusal=got)}
         problem = got.first_problem(CALLED_PARAMETERS)
         return {
             **{op: Capability(refusal=why) for op, why in PREFILL_REFUSALS.items()},
-            "mla_decode": Capability(
+            Op.DECODE: Capability(
                 q_formats=FORMATS, kv_formats=FORMATS,
                 format_pairs=frozenset((f, f) for f in FORMATS), empty_requests=True,
                 layouts=(layouts.LINEAR.name,),  # FlashMLA's cache: linear pages only
@@ -133,7 +133,7 @@ class FlashMLABackend(LibraryAdapter):
                       "natural log. Pages other than 64 run repacked into a page-64 pool; a "
                       "batch of mixed q_len runs as one call per q_len (empty requests left "
                       "out)"),
-            "mla_sparse_decode": Capability(
+            Op.SPARSE_DECODE: Capability(
                 q_formats=(SPARSE_Q,), kv_formats=(SPARSE_KV,),
                 format_pairs=frozenset({(SPARSE_Q, SPARSE_KV)}), scale_policies=("unit",),
                 head_counts=SPARSE_HEADS, empty_requests=True, layouts=(layouts.LINEAR.name,),
@@ -151,9 +151,8 @@ class FlashMLABackend(LibraryAdapter):
         if isinstance(got, str):
             raise RuntimeError(got)
         assert isinstance(inputs, DecodeInputs)
-        if isinstance(case, SparseDecodeCase):
-            return self._sparse(got, case, inputs)
-        assert isinstance(case, DecodeCase)
+        if case.op == Op.SPARSE_DECODE:
+            return self._sparse(got, case, inputs)  # type: ignore[arg-type]
         dev, heads, dv = inputs.device, case.num_heads, case.dims.kv_lora_rank
         pool = inputs.pool
         repacked = pool.table.page_size if _needs_repage(pool) else None

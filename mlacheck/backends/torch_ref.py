@@ -24,7 +24,7 @@ from mlacheck.backends.numerics import (
     p_format_for,
 )
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
-from mlacheck.spec import Case, PrefillCase, SparseDecodeCase
+from mlacheck.spec import Case, Op, PrefillCase
 
 
 class TorchBackend:
@@ -54,20 +54,13 @@ class TorchBackend:
                           layouts=every)
         decode = Capability(causal=(True,), per_token_scales=True, empty_requests=True,
                             layouts=every)
-        return {
-            "mla_prefill": full,
-            "paged_prefill": full,
-            "mla_decode": decode,
-            "mla_sparse_decode": decode,
-        }
+        return {Op.PREFILL: full, Op.PAGED_PREFILL: full, Op.DECODE: decode,
+                Op.SPARSE_DECODE: decode}
 
     def run(self, case: Case, inputs: Inputs) -> Output:
-        if isinstance(inputs, PrefillInputs):
-            out, lse = self._prefill(inputs)
-        elif isinstance(case, SparseDecodeCase):
-            out, lse = self._sparse(inputs)
-        else:
-            out, lse = self._decode(inputs)
+        op_run = {Op.PREFILL: self._prefill, Op.PAGED_PREFILL: self._prefill,
+                  Op.DECODE: self._decode, Op.SPARSE_DECODE: self._sparse}[case.op]
+        out, lse = op_run(inputs)
         inputs.out.out.copy_(out.to(inputs.out.out.dtype))
         return Output(inputs.out.out, lse, wrote_into_guarded=True)
 
@@ -105,7 +98,7 @@ class TorchBackend:
 
     def _sparse(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         case = inputs.case
-        assert isinstance(case, SparseDecodeCase) and inputs.topk_indices is not None
+        assert inputs.topk_indices is not None
         rank = case.dims.kv_lora_rank
         q = inputs.q.dequant()
         pf = p_format_for(case.quant.kv, self.numerics)

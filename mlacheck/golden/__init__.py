@@ -10,8 +10,8 @@ import torch
 
 from mlacheck.golden import decode, prefill
 from mlacheck.golden.core import Result
-from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
-from mlacheck.spec import SparseDecodeCase
+from mlacheck.inputs import Inputs
+from mlacheck.spec import Op
 
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp64": torch.float64}
 VARIANTS = ("exact", "ideal")
@@ -22,13 +22,12 @@ def reference(inputs: Inputs, variant: str = "exact", precision: str = "fp32") -
         raise ValueError(f"golden variant must be one of {VARIANTS}, not {variant!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"golden precision must be fp32 or fp64, not {precision!r}")
-    dtype = PRECISIONS[precision]
-    if isinstance(inputs, PrefillInputs):
-        return prefill.reference(inputs, variant, dtype)
-    assert isinstance(inputs, DecodeInputs)
-    if isinstance(inputs.case, SparseDecodeCase):
-        return decode.sparse_reference(inputs, variant, dtype)
-    return decode.reference(inputs, variant, dtype)
+    return _REFERENCES[inputs.case.op](inputs, variant, PRECISIONS[precision])  # type: ignore[operator]
+
+
+# The reference of each op (a new op adds its own: mlacheck/ops.py).
+_REFERENCES = {Op.PREFILL: prefill.reference, Op.PAGED_PREFILL: prefill.reference,
+               Op.DECODE: decode.reference, Op.SPARSE_DECODE: decode.sparse_reference}
 
 
 __all__ = ["PRECISIONS", "VARIANTS", "Result", "reference"]

@@ -67,11 +67,10 @@ from mlacheck.spec import (
     REQUIRED,
     Case,
     MLADims,
+    Op,
     Paging,
     Placement,
-    PrefillCase,
     Quant,
-    SparseDecodeCase,
     case_from_dict,
 )
 
@@ -130,16 +129,14 @@ def derived_markers(case: Case) -> tuple[str, ...]:
     found: set[str] = set()
     if case.quant.is_fp8:
         found.add("fp8")
-    if isinstance(case, SparseDecodeCase):
+    if case.op == Op.SPARSE_DECODE:
         found.add("sparse")
-    if isinstance(case, PrefillCase):
-        if len(case.segments) > 1:
-            found.add("multiseg")
-    else:  # decode and sparse exercise persistent decode on backends that have it
+    if case.op in (Op.DECODE, Op.SPARSE_DECODE):  # persistent decode, on backends that have it
         found.add("persistent")
+    elif len(case.units) > 1:
+        found.add("multiseg")
     # Paged prefill and every decode use the pool; an unpaged prefill ignores placement.
-    uses_pool = not (isinstance(case, PrefillCase) and case.paging is None)
-    if case.placement.kind == "high" and uses_pool:
+    if case.placement.kind == "high" and case.paging is not None:
         found.add("large_kv")
     return tuple(sorted(found))
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from html import escape
 from pathlib import Path
 
+from mlacheck.ops import unit_of
 from mlacheck.report import plots
 from mlacheck.report.render_md import time_note, title_of, warnings_of
 from mlacheck.report.summary import Failure, Summary, ratio, summarise
@@ -250,7 +251,7 @@ def _checks_table(v: Verdict) -> str:
 def _where_list(v: Verdict) -> str:
     if not v.where:
         return ""
-    unit = "segment" if v.op in ("mla_prefill", "paged_prefill") else "request"
+    unit = unit_of(v.op)
     items = "".join(f"<li>{escape(w.message(unit))}</li>" for w in v.where[:MAX_WHERE])
     more = (
         f'<li class="muted">... and {len(v.where) - MAX_WHERE} more locations</li>'

@@ -56,7 +56,7 @@ from mlacheck.backends.aiter.capability import (
 from mlacheck.backends.base import Capability, CaseRule, Output, Range
 from mlacheck.backends.toolkit import lse_natural, lse_tokens_heads
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
-from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
+from mlacheck.spec import Case, DecodeCase, Op, PrefillCase, SparseDecodeCase
 
 # --------------------------------------------------------------------------- metadata cache
 
@@ -151,7 +151,7 @@ class AiterAdapter:
         if isinstance(api, str):
             return api
         if self.persistent:
-            return api.op_problem("mla_decode")
+            return api.op_problem(Op.DECODE)
         return api.problems.get("mla.mla_decode_fwd")
 
     def capabilities(self) -> dict[str, Capability]:
@@ -175,30 +175,30 @@ class AiterAdapter:
             (folded_heads_need_uniform_q_len(api.gfx),) if self.persistent
             else (nonpersistent_fp8_heads,))
         path = "persistent" if self.persistent else "non-persistent"
-        decode_refusal = (api.op_problem("mla_decode") if self.persistent
+        decode_refusal = (api.op_problem(Op.DECODE) if self.persistent
                           else api.problems.get("mla.mla_decode_fwd"))
         caps: dict[str, Capability] = {
-            "mla_decode": Capability(
+            Op.DECODE: Capability(
                 **decode_common, page_sizes=PAGE_SIZES_POW2, rules=decode_rules,
                 refusal=decode_refusal,
                 notes=f"{path} decode; heads padded to 16 (vLLM-style repeat for divisors of "
                       "16, zero heads otherwise); LSE only where the chip has an LSE kernel"),
-            "mla_sparse_decode": Capability(
+            Op.SPARSE_DECODE: Capability(
                 **decode_common, rules=decode_rules, refusal=decode_refusal,
                 notes=f"{path} sparse decode over a page-size-1 view of the pool (global slots)"),
-            "paged_prefill": Capability(
+            Op.PAGED_PREFILL: Capability(
                 q_formats=("bf16", "fp16", chip_fp8), kv_formats=("bf16", "fp16", chip_fp8),
                 format_pairs=frozenset({("bf16", "bf16"), ("fp16", "fp16"), fp8_pair}),
                 scale_policies=("unit", "amax"),
                 layouts=(layouts.LINEAR.name, layouts.VECTORIZED.name),  # CK's two
-                soft_cap=True, devices=self.devices, refusal=api.op_problem("paged_prefill"),
+                soft_cap=True, devices=self.devices, refusal=api.op_problem(Op.PAGED_PREFILL),
                 notes="CK mha_batch_prefill_func, sglang-style page table"),
         }
-        prefill_refusal = api.op_problem("mla_prefill")
+        prefill_refusal = api.op_problem(Op.PREFILL)
         if api.gfx == "gfx942":
             prefill_refusal = ("AITER refuses FP8 persistent MLA prefill on gfx942 "
                                "(asm_mla.cu: 'not supported on gfx942'); gfx950 only")
-        caps["mla_prefill"] = Capability(
+        caps[Op.PREFILL] = Capability(
             q_formats=(chip_fp8,), kv_formats=(chip_fp8,), scale_policies=("unit", "amax"),
             head_counts=PREFILL_PS_HEADS, devices=self.devices, refusal=prefill_refusal,
             notes="FP8 ASM persistent-scheduling prefill (mla_prefill_ps_fwd), gfx950; "
@@ -209,16 +209,10 @@ class AiterAdapter:
         api = self._load()
         if isinstance(api, str):
             raise AdapterError(api)
+        op_run = {Op.PREFILL: self._prefill_ps, Op.PAGED_PREFILL: self._paged_prefill,
+                  Op.DECODE: self._decode, Op.SPARSE_DECODE: self._decode}[case.op]
         with pinned_environment(self.env):
-            if isinstance(case, PrefillCase):
-                assert isinstance(inputs, PrefillInputs)
-                if case.paging is not None:
-                    out = self._paged_prefill(api, case, inputs)
-                else:
-                    out = self._prefill_ps(api, case, inputs)
-            else:
-                assert isinstance(inputs, DecodeInputs)
-                out = self._decode(api, case, inputs)
+            out = op_run(api, case, inputs)  # type: ignore[operator]
         out.metadata.setdefault("aiter", {}).update(
             version=api.version, gfx=api.gfx, module=self.api_module_name,
             env=dict(self.env))
@@ -313,8 +307,8 @@ class AiterAdapter:
             kv_buffer=inputs.pool.data.view(-1, 1, *inputs.pool.data.shape[2:]),
             topk=topk)
 
-    def _decode(self, api: AiterApi, case: Case, inputs: DecodeInputs) -> Output:
-        assert isinstance(case, DecodeCase | SparseDecodeCase)
+    def _decode(self, api: AiterApi, case: DecodeCase | SparseDecodeCase,
+                inputs: DecodeInputs) -> Output:
         sched = self.decode_schedule(case, inputs)
         padding = self.head_padding_for(api, case)
         q = padding.pad(inputs.q.stored)

@@ -24,6 +24,7 @@ import torch
 
 from mlacheck import fp8
 from mlacheck.backends.toolkit import library_version, signature_problems
+from mlacheck.ops import Op
 
 # --------------------------------------------------------------------------- targets
 
@@ -78,10 +79,10 @@ CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
 PERSISTENT_DECODE_FUNCTIONS = ("get_mla_metadata_info_v1", "get_mla_metadata_v1",
                                "mla.mla_decode_fwd")
 OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
-    "mla_decode": PERSISTENT_DECODE_FUNCTIONS,
-    "mla_sparse_decode": PERSISTENT_DECODE_FUNCTIONS,
-    "mla_prefill": ("get_ps_metadata_info_v1", "get_ps_metadata_v1", "mla.mla_prefill_ps_fwd"),
-    "paged_prefill": ("mha_batch_prefill_func",),
+    Op.DECODE: PERSISTENT_DECODE_FUNCTIONS,
+    Op.SPARSE_DECODE: PERSISTENT_DECODE_FUNCTIONS,
+    Op.PREFILL: ("get_ps_metadata_info_v1", "get_ps_metadata_v1", "mla.mla_prefill_ps_fwd"),
+    Op.PAGED_PREFILL: ("mha_batch_prefill_func",),
 }
 
 # Names of the six persistent-schedule buffers, in the order get_mla_metadata_info_v1 and

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlacheck.bugclasses import BUG_CLASSES
+from mlacheck.ops import Op
 
 PREFIX = "fault:"
 
@@ -76,9 +77,9 @@ class FaultSpec:
 
 
 _M = "mlacheck.backends.faults"
-DECODE = ("mla_decode",)
-SPARSE = ("mla_sparse_decode",)
-PREFILL = ("mla_prefill",)
+DECODE = (Op.DECODE,)
+SPARSE = (Op.SPARSE_DECODE,)
+PREFILL = (Op.PREFILL,)
 
 _SPECS = (
     FaultSpec("decode-num-actual-tokens", 1,
@@ -100,12 +101,12 @@ _SPECS = (
               contrast="passes when every token has topk valid indices"),
     FaultSpec("multiseg-as-one", 4,
               "multi-segment varlen prefill run as one segment (cu_seqlens collapsed)",
-              f"{_M}.prefill:multiseg_as_one", "torch", ("mla_prefill",),
+              f"{_M}.prefill:multiseg_as_one", "torch", (Op.PREFILL,),
               ("prefill-segments",), ("row_error",), "prefill_multiseg",
               contrast="passes on a one-segment batch"),
     FaultSpec("multiseg-first-only", 4,
               "multi-segment varlen prefill: only the first segment is computed",
-              f"{_M}.prefill:multiseg_first_only", "torch", ("mla_prefill",),
+              f"{_M}.prefill:multiseg_first_only", "torch", (Op.PREFILL,),
               ("prefill-segments",), ("row_error",), "prefill_multiseg",
               contrast="passes on a one-segment batch"),
     FaultSpec("pad-heads-floor-div", 5,
@@ -127,19 +128,19 @@ _SPECS = (
     FaultSpec("read-past-page-end", 6,
               "the last page read whole (kv_last_page_lens = page_size): a partial page's "
               "poisoned tail is used",
-              f"{_M}.paging:read_past_page_end", "aiter-model", ("mla_decode", "paged_prefill"),
+              f"{_M}.paging:read_past_page_end", "aiter-model", (Op.DECODE, Op.PAGED_PREFILL),
               ("decode-mixed", "decode-tail-sentinel"), ("nonfinite", "row_error"),
               "decode_paged",
               contrast="passes at page size 1 (no partial pages)"),
     FaultSpec("fp8-unit-scale", 7,
               "FP8 inputs re-cast from the unquantised values with unit scale (ignoring the "
               "amax scales): e4m3fn saturates, e4m3fnuz gives NaN",
-              f"{_M}.fp8:fp8_unit_scale", "torch", ("mla_decode", "mla_prefill"),
+              f"{_M}.fp8:fp8_unit_scale", "torch", (Op.DECODE, Op.PREFILL),
               ("fp8-outliers", "prefill-fp8"), ("nonfinite", "row_error"), "decode_fp8_outliers"),
     FaultSpec("context-chunk-lse", 8,
               "chunked prefill: non-causal context chunk + causal own chunk merged by LSE, the "
               "context LSE in base 2",
-              f"{_M}.prefill:context_chunk_lse", "torch", ("mla_prefill", "paged_prefill"),
+              f"{_M}.prefill:context_chunk_lse", "torch", (Op.PREFILL, Op.PAGED_PREFILL),
               ("prefill-segments", "prefill-paged"), ("row_error", "lse"), "prefill_context",
               contrast="passes when no segment has context"),
     FaultSpec("mtp-metadata-qlen1", 9,
@@ -157,7 +158,7 @@ _SPECS = (
               stateful=True, contrast="passes on the first call of an instance"),
     FaultSpec("last-page-lens-one", 11,
               "kv_last_page_lens of all 1s (what page size 1 always has) at page size > 1",
-              f"{_M}.paging:last_page_lens_one", "aiter-model", ("mla_decode", "paged_prefill"),
+              f"{_M}.paging:last_page_lens_one", "aiter-model", (Op.DECODE, Op.PAGED_PREFILL),
               ("decode-mixed", "prefill-paged"), ("row_error",), "decode_paged",
               contrast="passes at page size 1"),
     FaultSpec("unpad-heads-slice", 12,
@@ -168,7 +169,7 @@ _SPECS = (
     FaultSpec("perturb-row", "generic",
               "one (token, head) output row scaled by 1.02",
               f"{_M}.generic:perturb_row", "torch",
-              ("mla_prefill", "paged_prefill", "mla_decode", "mla_sparse_decode"),
+              (Op.PREFILL, Op.PAGED_PREFILL, Op.DECODE, Op.SPARSE_DECODE),
               ("decode-mixed", "prefill-segments"), ("row_error",), "decode_bf16"),
     FaultSpec("default-softmax-scale", "generic",
               "sm_scale not passed: AITER decode's default 1/sqrt(576) instead of the model's",
@@ -177,23 +178,23 @@ _SPECS = (
     FaultSpec("lse-base2", "generic",
               "LSE returned in base 2",
               f"{_M}.generic:lse_base2", "torch",
-              ("mla_prefill", "paged_prefill", "mla_decode", "mla_sparse_decode"),
+              (Op.PREFILL, Op.PAGED_PREFILL, Op.DECODE, Op.SPARSE_DECODE),
               ("decode-mixed", "prefill-segments"), ("lse",), "decode_any"),
     FaultSpec("causal-top-left", "generic",
               "causal mask aligned top-left (query i sees kv j <= i)",
-              f"{_M}.generic:causal_top_left", "torch", ("mla_prefill", "paged_prefill"),
+              f"{_M}.generic:causal_top_left", "torch", (Op.PREFILL, Op.PAGED_PREFILL),
               ("prefill-segments", "prefill-paged"), ("row_error",), "prefill_context",
               contrast="passes when no segment has context"),
     FaultSpec("last-page-off-by-one", "generic",
               "kv_last_page_lens = kv_len % page_size: a full last page is dropped",
               f"{_M}.generic:last_page_off_by_one", "aiter-model",
-              ("mla_decode", "paged_prefill"),
+              (Op.DECODE, Op.PAGED_PREFILL),
               ("decode-mixed",), ("row_error",), "decode_page_boundary",
               contrast="passes when every last page is partial"),
     FaultSpec("write-past-output", "generic",
               "the last output tile writes the row after the output",
               f"{_M}.generic:write_past_output", "torch",
-              ("mla_prefill", "paged_prefill", "mla_decode", "mla_sparse_decode"),
+              (Op.PREFILL, Op.PAGED_PREFILL, Op.DECODE, Op.SPARSE_DECODE),
               ("decode-mixed", "prefill-segments"), ("guards",), "decode_any"),
     FaultSpec("tile-multiple-drops-last", "kv-multiple-of-256",
               "a tile loop bound < instead of <= : a kv length that is an exact multiple of 256 "
@@ -259,7 +260,7 @@ _SPECS = (
     FaultSpec("empty-segment-shift", "empty-segment",
               "empty prefill segments dropped from cu_seqlens_q but not from cu_seqlens_k "
               "(or the paged K/V page table): later segments attend to another segment's K/V",
-              f"{_M}.boundary:empty_segment_shift", "torch", PREFILL + ("paged_prefill",),
+              f"{_M}.boundary:empty_segment_shift", "torch", PREFILL + (Op.PAGED_PREFILL,),
               ("prefill-empty",), ("row_error", "quantisation_loss"), "prefill_empty",
               contrast="passes when empty segments come last"),
     FaultSpec("single-token-no-context", "single-token-segment",
@@ -281,13 +282,13 @@ _SPECS = (
     FaultSpec("narrow-accumulation", "kv-narrow-accumulation",
               "the running output (P.V accumulator) kept in bf16 between 64-key kv tiles",
               f"{_M}.boundary:narrow_accumulation", "torch",
-              ("mla_prefill", "paged_prefill", "mla_decode", "mla_sparse_decode"),
+              (Op.PREFILL, Op.PAGED_PREFILL, Op.DECODE, Op.SPARSE_DECODE),
               ("decode-long-kv",), ("row_error",), "decode_long_kv",
               contrast="passes on short kv"),
     FaultSpec("nondeterministic", "generic",
               "KV split count varies from run to run: accurate, but not bitwise reproducible",
               f"{_M}.generic:nondeterministic", "torch",
-              ("mla_prefill", "paged_prefill", "mla_decode", "mla_sparse_decode"),
+              (Op.PREFILL, Op.PAGED_PREFILL, Op.DECODE, Op.SPARSE_DECODE),
               ("decode-mixed", "prefill-segments"), ("determinism",), "decode_any",
               determinism=True, contrast="passes without a repeated run"),
 )

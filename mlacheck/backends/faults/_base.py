@@ -31,7 +31,7 @@ from mlacheck.backends.aiter import MODEL_MODULE, REAL_MODULE, AiterAdapter, Ait
 from mlacheck.backends.base import Backend, Capability, Output
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
 from mlacheck.kvcache import GUARD_ROWS, Guarded, KVPool, PageTable
-from mlacheck.spec import Case
+from mlacheck.spec import Case, Op
 
 # Inner backends an AITER adapter fault can be built over: (api module, persistent, devices).
 ADAPTER_INNERS: dict[str, tuple[str, bool, tuple[str, ...]]] = {
@@ -76,7 +76,7 @@ class Wrapper:
 class AdapterFault(AiterAdapter):
     """The AITER adapter with one argument of one AITER call rewritten (see `rewrite`)."""
 
-    fault_ops: tuple[str, ...] = ("mla_decode", "mla_sparse_decode")
+    fault_ops: tuple[str, ...] = (Op.DECODE, Op.SPARSE_DECODE)
 
     def capabilities(self) -> dict[str, Capability]:
         return restrict(super().capabilities(), self.fault_ops)

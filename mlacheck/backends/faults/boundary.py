@@ -48,10 +48,10 @@ from mlacheck.backends.numerics import Numerics, flash_attend
 from mlacheck.backends.torch_ref import TorchBackend
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs, Quantised, cu_seqlens
 from mlacheck.kvcache import KVPool, PageTable
-from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
+from mlacheck.spec import Case, DecodeCase, Op, PrefillCase, SparseDecodeCase
 
-DECODE, PREFILL = ("mla_decode",), ("mla_prefill",)
-SPARSE, PAGED = ("mla_sparse_decode",), ("paged_prefill",)
+DECODE, PREFILL = (Op.DECODE,), (Op.PREFILL,)
+SPARSE, PAGED = (Op.SPARSE_DECODE,), (Op.PAGED_PREFILL,)
 TILE = 256  # the default tile of the tile faults (boundaries.TILE_SIZES has the others)
 
 

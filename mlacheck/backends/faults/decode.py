@@ -29,13 +29,13 @@ from mlacheck.backends.faults._base import (
 )
 from mlacheck.inputs import DecodeInputs, Inputs, Quantised, cu_seqlens
 from mlacheck.kvcache import GUARD_ROWS, PageTable, free_pages
-from mlacheck.spec import Case, DecodeCase, Request
+from mlacheck.spec import Case, DecodeCase, Op, Request
 
 
 class DecodeOverActualTokens(Wrapper):
     """Class 1: the decode kernel runs over the decode tokens plus `prefill_tokens` more."""
 
-    ops = ("mla_decode",)
+    ops = (Op.DECODE,)
 
     def __init__(self, inner: Backend, name: str, prefill_tokens: int = GUARD_ROWS) -> None:
         super().__init__(inner, name)
@@ -78,7 +78,7 @@ class MtpMetadataForQlen1(AdapterFault):
     """Class 9: get_mla_metadata_info_v1 / get_mla_metadata_v1 called with the q_len-1
     values (max_seqlen_qo = 1, uni_seqlen_qo = 1) for an MTP batch."""
 
-    fault_ops = ("mla_decode",)
+    fault_ops = (Op.DECODE,)
 
     def rewrite(self, qualname: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         if qualname in ("get_mla_metadata_info_v1", "get_mla_metadata_v1"):

@@ -18,9 +18,9 @@ from mlacheck import kvcache
 from mlacheck.backends.base import Output
 from mlacheck.backends.faults._base import Wrapper, replace_inputs, resolve_inner
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs, Quantised
-from mlacheck.spec import Case
+from mlacheck.spec import Case, Op
 
-FP8_OPS = ("mla_decode", "mla_prefill")
+FP8_OPS = (Op.DECODE, Op.PREFILL)
 
 
 def unit_cast(t: Quantised) -> Quantised:

@@ -34,9 +34,9 @@ from mlacheck.backends.numerics import Numerics, flash_attend, p_format_for
 from mlacheck.backends.torch_ref import TorchBackend
 from mlacheck.inputs import Inputs, PrefillInputs
 from mlacheck.kvcache import GUARD_ROWS
-from mlacheck.spec import OPS, Case
+from mlacheck.spec import OPS, Case, Op
 
-PREFILL_OPS = ("mla_prefill", "paged_prefill")
+PREFILL_OPS = (Op.PREFILL, Op.PAGED_PREFILL)
 DEFAULT_DELTA = 0.02  # the bf16 sensitivity target (docs/detection.md)
 
 
@@ -113,7 +113,7 @@ class CausalTopLeft(TorchBackend):
 class LastPageOffByOne(AdapterFault):
     """kv_last_page_lens = kv_len % page_size: a full last page becomes an empty one."""
 
-    fault_ops = ("mla_decode", "paged_prefill")
+    fault_ops = (Op.DECODE, Op.PAGED_PREFILL)
 
     def rewrite(self, qualname: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         last, size = kwargs.get("kv_last_page_lens"), call_page_size(qualname, kwargs)

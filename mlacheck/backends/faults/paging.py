@@ -36,10 +36,10 @@ from mlacheck.backends.faults._base import (
 from mlacheck.backends.faults.generic import call_page_size
 from mlacheck.inputs import DecodeInputs, Inputs
 from mlacheck.kvcache import KVPool, PageTable
-from mlacheck.spec import Case
+from mlacheck.spec import Case, Op
 
-DECODE_OPS = ("mla_decode", "mla_sparse_decode")
-LAST_PAGE_OPS = ("mla_decode", "paged_prefill")
+DECODE_OPS = (Op.DECODE, Op.SPARSE_DECODE)
+LAST_PAGE_OPS = (Op.DECODE, Op.PAGED_PREFILL)
 PAGE_TABLE_CALLS = ("mla.mla_decode_fwd", "get_mla_metadata_v1", "mha_batch_prefill_func")
 
 

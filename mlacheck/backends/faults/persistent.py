@@ -15,7 +15,7 @@ import torch
 
 from mlacheck.backends.aiter import AiterApi, MetadataBuffers
 from mlacheck.backends.faults._base import AdapterFault, adapter
-from mlacheck.spec import DecodeCase, Request
+from mlacheck.spec import DecodeCase, Op, Request
 
 # The first call of a fresh instance in a search: a large batch, so the buffers are big
 # enough for the (smaller) examples that follow and get no refill.
@@ -26,7 +26,7 @@ PRIMING_CASE = DecodeCase(requests=(Request(1, 300), Request(1, 200), Request(1,
 class StaleMetadata(AdapterFault):
     """Class 10: get_mla_metadata_v1 runs only when a buffer was (re)allocated."""
 
-    fault_ops = ("mla_decode", "mla_sparse_decode")
+    fault_ops = (Op.DECODE, Op.SPARSE_DECODE)
 
     def fill_metadata(self, api: AiterApi, cache: MetadataBuffers,
                       bufs: dict[str, torch.Tensor], grew: bool,

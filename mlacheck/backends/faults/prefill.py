@@ -30,10 +30,10 @@ from mlacheck.backends.faults._base import (
 from mlacheck.backends.numerics import flash_attend, merge_partials, p_format_for
 from mlacheck.backends.torch_ref import TorchBackend
 from mlacheck.inputs import Inputs, PrefillInputs
-from mlacheck.spec import Case, PrefillCase, Segment
+from mlacheck.spec import Case, Op, PrefillCase, Segment
 
-UNPAGED = ("mla_prefill",)
-PREFILL_OPS = ("mla_prefill", "paged_prefill")
+UNPAGED = (Op.PREFILL,)
+PREFILL_OPS = (Op.PREFILL, Op.PAGED_PREFILL)
 
 
 class MultiSegmentAsOne(Wrapper):

@@ -24,9 +24,9 @@ import torch
 from mlacheck.backends.aiter import DecodeSchedule
 from mlacheck.backends.faults._base import AdapterFault, adapter
 from mlacheck.inputs import DecodeInputs
-from mlacheck.spec import SparseDecodeCase
+from mlacheck.spec import Op, SparseDecodeCase
 
-SPARSE_OPS = ("mla_sparse_decode",)
+SPARSE_OPS = (Op.SPARSE_DECODE,)
 
 
 class RaggedIndicesReadRowMajor(AdapterFault):
