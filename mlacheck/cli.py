@@ -356,7 +356,7 @@ def find_case(ref: str):  # noqa: ANN201
 def cmd_replay(args: argparse.Namespace) -> int:
     from mlacheck import footprint
     from mlacheck.backends.registry import DEFAULT_BACKENDS, resolve
-    from mlacheck.harness import RunOptions, run_case
+    from mlacheck.harness import RunOptions, run
     from mlacheck.preflight import resolve_device
     from mlacheck.session import RunRequest, outcome
 
@@ -373,14 +373,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print("case:", case.to_json())
     verdicts = []
     for backend in backends:
-        v = run_case(case, backend, RunOptions(device, request.golden))
+        result = run(case, backend, RunOptions(device, request.golden))
+        v = result.verdict
         verdicts.append(v)
         print(v.summary())
         if v.known_failure:
             print(f"  known failure ({v.known_rule}): {v.known_failure}")
         checks = [{"check": c.name, "passed": c.passed, "value": c.value, "bound": c.bound,
                    "detail": c.detail} for c in v.checks]
-        print(json.dumps({"checks": checks, "timings": v.timings,
+        print(json.dumps({"checks": checks, "timings": result.timings,
                           "metrics": {k: x for k, x in v.metrics.items() if k != "heatmap"}},
                          indent=1, default=str))
     out = outcome(verdicts, request)  # the gate's meaning, as for a run of this one case

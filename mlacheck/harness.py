@@ -1,6 +1,9 @@
 """One case through the pipeline: inputs -> backend -> golden -> baseline -> judge.
 
-Plumbing only: the judge decides every check. For the first backend of a case the kernel
+Plumbing only: the judge decides every check and builds every verdict (mlacheck.judge); the
+harness gives it the kernel to re-run for probes, and keeps what the run measured (timings,
+device memory) beside the verdict, in the CaseResult whose `record` is the results line.
+For the first backend of a case the kernel
 runs before the reference is allocated (FlashMLA's test kit does the same), so a kernel that
 reads memory it does not own meets poison, not a golden's leftovers. The next backends of
 the same case in this process reuse its inputs and references (items run case by case:
@@ -14,21 +17,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import time
-import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from mlacheck import admission, footprint, golden, judge, probes
+from mlacheck import admission, footprint, golden, judge
 from mlacheck import inputs as inputs_mod
 from mlacheck.backends.base import Backend, Output, skip_reason
 from mlacheck.backends.torch_ref import TorchBackend
-from mlacheck.report import heatmap
 from mlacheck.spec import Case
-from mlacheck.verdict import CRASH, ERROR, FAIL, SKIP, Verdict
+from mlacheck.verdict import Verdict
 
 BASELINE = TorchBackend(name="baseline")
 
@@ -58,27 +58,43 @@ class RunOptions:
     share: bool = False
 
 
+@dataclass(frozen=True)
+class CaseResult:
+    """One case on one backend: the judge's verdict, and beside it what the run measured."""
+
+    verdict: Verdict
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    measured: dict[str, Any] = field(default_factory=dict)  # device memory it took (GPU)
+
+    def record(self) -> dict[str, Any]:
+        """The results line (its schema: timings at the top, the memory among the metrics)."""
+        d = self.verdict.to_dict()
+        d["timings"] = dict(self.timings)
+        d["metrics"] = {**d["metrics"], **self.measured}
+        return d
+
+
 def run_case(case: Case, backend: Backend, opts: RunOptions = RunOptions()) -> Verdict:
-    return judge.with_known_label(_run(case, backend, opts), case)
+    """The verdict alone (what tests, the selftest and searches read)."""
+    return run(case, backend, opts).verdict
 
 
-def _run(case: Case, backend: Backend, opts: RunOptions) -> Verdict:
-    base = Verdict(case.id, backend.name, case.op, SKIP, case=json.loads(case.to_json()),
-                   implementation=_version_record(backend))
+def run(case: Case, backend: Backend, opts: RunOptions = RunOptions()) -> CaseResult:
+    ran = _version_record(backend)
     why = skip_reason(backend, case, opts.device) or footprint.does_not_fit(case, opts.device)
     if why:
-        base.reason = why
-        return base
+        return CaseResult(judge.skipped(case, backend.name, why, ran))
     clock = time.perf_counter()
     try:
         data = _case_data(case, opts)
     except admission.NoRoomNow as e:
-        return _suite_error(base, "waiting for device memory", e)
+        return CaseResult(judge.suite_error(case, backend.name, "waiting for device memory", e,
+                                            ran))
     except Exception as e:
-        return _suite_error(base, "building the inputs", e)
+        return CaseResult(judge.suite_error(case, backend.name, "building the inputs", e, ran))
     waited, data.wait_s = data.wait_s, 0.0  # reported once, by the item that waited
     try:
-        return _run_admitted(case, backend, opts, base, data,
+        return _run_admitted(case, backend, opts, ran, data,
                              time.perf_counter() - clock - waited, waited)
     finally:
         if not opts.share:
@@ -145,12 +161,16 @@ def release_shared() -> None:
 atexit.register(release_shared)
 
 
-def _run_admitted(case: Case, backend: Backend, opts: RunOptions, base: Verdict,
-                  data: _CaseData, inputs_s: float, wait_s: float) -> Verdict:
+def _run_admitted(case: Case, backend: Backend, opts: RunOptions, ran: dict[str, Any],
+                  data: _CaseData, inputs_s: float, wait_s: float) -> CaseResult:
     t: dict[str, float] = {"inputs": inputs_s}
     if wait_s:
         t["admission_wait"] = wait_s
     inp = data.inp
+
+    def suite_error(stage: str, e: Exception) -> CaseResult:
+        return CaseResult(judge.suite_error(case, backend.name, stage, e, ran))
+
     clock = time.perf_counter()
     try:
         out = backend.run(case, inp)
@@ -159,13 +179,11 @@ def _run_admitted(case: Case, backend: Backend, opts: RunOptions, base: Verdict,
         if _out_of_memory(e) and admission.others_hold_memory(opts.device):
             # other workers' cases held the device: the suite's scheduling, not the kernel
             # (alone on the device it would be a CRASH); --resume runs the item again
-            return _suite_error(base, "running the kernel beside other workers' cases", e)
-        base.status = CRASH
-        base.reason = f"{type(e).__name__}: {e}".splitlines()[0][:500]
-        base.metrics["traceback"] = traceback.format_exc(limit=8)
+            return suite_error("running the kernel beside other workers' cases", e)
+        crash = judge.crashed(case, backend.name, e, ran)
         if any(m in str(e) for m in DEVICE_ERROR_MARKERS):
-            raise DeviceError(base.reason) from e
-        return base
+            raise DeviceError(crash.reason) from e
+        return CaseResult(crash)
     t["kernel"], clock = time.perf_counter() - clock, time.perf_counter()
     try:
         if data.refs is None:
@@ -178,30 +196,21 @@ def _run_admitted(case: Case, backend: Backend, opts: RunOptions, base: Verdict,
             gold, ideal, baseline = data.refs
             t["golden"] = t["baseline"] = 0.0
     except Exception as e:
-        return _suite_error(base, "computing the references", e)
+        return suite_error("computing the references", e)
     repeats = _repeat(case, backend, opts) if opts.repeat > 1 else None
     if repeats is not None:
         t["determinism"], clock = time.perf_counter() - clock, time.perf_counter()
     try:
         v = judge.verdict(case, inp, out, gold, baseline, ideal, backend.name, repeats,
-                          implementation=base.implementation)
+                          implementation=ran, rerun=_rerun(backend, opts))
     except Exception as e:  # mlacheck's own failure: never charged to the kernel
-        return _suite_error(base, "judging the output", e)
-    try:  # where a FAIL lies: a failure here leaves the verdict as it is, with a note
-        if v.status == FAIL and v.metrics.get("axis") in judge.PROBED_AXES:
-            judge.refine_diagnosis(v, inp, gold, _probe(case, backend, inp, opts,
-                                                        v.metrics["axis"] in judge.ALONE_AXES))
-        if v.status == FAIL and tuple(out.out.shape) == tuple(gold.out.shape):  # the report's
-            v.metrics.update(heatmap.metrics(judge.by_rows(
-                judge.row_errors, out.out.detach(), gold.out.detach().to(out.out.device))))
-    except Exception as e:  # noqa: BLE001 - localisation never decides a verdict
-        v.metrics["localisation_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        return suite_error("judging the output", e)
     t["judge"] = time.perf_counter() - clock
-    v.timings = t
+    measured: dict[str, Any] = {}
     if _on_gpu(opts.device):  # what the case really took, against what admission reserved
-        v.metrics["device_peak_bytes"] = torch.cuda.max_memory_allocated(opts.device)
-        v.metrics["footprint_bytes"] = footprint.estimate(case).total
-    return v
+        measured = {"device_peak_bytes": torch.cuda.max_memory_allocated(opts.device),
+                    "footprint_bytes": footprint.estimate(case).total}
+    return CaseResult(v, t, measured)
 
 
 def golden_references(inp: inputs_mod.Inputs, opts: RunOptions
@@ -220,9 +229,8 @@ def judge_output(case: Case, inp: inputs_mod.Inputs, out: Output, backend: Backe
     attention calls): the same references and judge as run_case, no determinism repeat."""
     gold, ideal = golden_references(inp, opts)
     baseline = _baseline(case, inp)
-    v = judge.verdict(case, inp, out, gold, baseline, ideal, backend.name,
-                      implementation=_version_record(backend))
-    return judge.with_known_label(v, case)
+    return judge.verdict(case, inp, out, gold, baseline, ideal, backend.name,
+                         implementation=_version_record(backend))
 
 
 def _version_record(backend: Backend) -> dict[str, Any]:
@@ -238,33 +246,20 @@ def _version_record(backend: Backend) -> dict[str, Any]:
     return record
 
 
-def _probe(case: Case, backend: Backend, inp: inputs_mod.Inputs, opts: RunOptions,
-           alone: bool = True) -> judge.Probes:
-    """Re-run the kernel on the same data arranged otherwise (mlacheck.probes): units alone
-    (when `alone`), pages relocated; a probe the kernel refuses or crashes on says nothing
-    and is left out."""
-    found = judge.Probes()
-    if alone and probes.units_worth_isolating(case):
-        cuts = inp.row_bounds
-        with_rows = [u for u in range(len(cuts) - 1) if cuts[u + 1] > cuts[u]]
-        for u in with_rows[: probes.MAX_UNITS_ALONE]:
-            with contextlib.suppress(Exception):
-                sub_case, sub = probes.one_unit(inp, u)
-                if skip_reason(backend, sub_case, opts.device) is None:
-                    found.alone[u] = backend.run(sub_case, sub)
-                    _sync(opts.device)
-    if probes.worth_relocating(inp):
-        with contextlib.suppress(Exception):
-            found.relocated = backend.run(case, probes.relocated(inp))
+def _rerun(backend: Backend, opts: RunOptions) -> Any:  # mlacheck.probes.Rerun
+    """The kernel on other inputs, for the judge's probes: None when it refuses or raises."""
+
+    def rerun(case: Case, inp: inputs_mod.Inputs) -> Output | None:
+        if skip_reason(backend, case, opts.device) is not None:
+            return None
+        try:
+            out = backend.run(case, inp)
             _sync(opts.device)
-    return found
+        except Exception:  # noqa: BLE001 - a probe that fails says nothing
+            return None
+        return out
 
-
-def _suite_error(base: Verdict, stage: str, e: Exception) -> Verdict:
-    base.status = ERROR
-    base.reason = f"suite error while {stage}: {type(e).__name__}: {e}".splitlines()[0][:500]
-    base.metrics["traceback"] = traceback.format_exc(limit=8)
-    return base
+    return rerun
 
 
 def _repeat(case: Case, backend: Backend, opts: RunOptions) -> judge.Repeats:

@@ -3,26 +3,36 @@
 The judge sees only normalised tensors (out [T, H, Dv], LSE [T, H] natural log): adapters
 normalise, the judge never does. Every check is per row (row = one token x one head), so one
 corrupted request, head or page fails the case, and every failure says where.
+
+The judge owns a verdict end to end: `verdict` (a kernel that ran), `skipped`, `crashed` and
+`suite_error` build every verdict the pipeline returns, labelled with its documented finding
+(mlacheck.known). For a FAIL the judge itself asks for what sharpens the diagnosis: probes,
+through the `rerun` the harness gives it (mlacheck.probes), and the heat map's data
+(mlacheck.heatmap). Nothing is written into a verdict after the judge returns it: what the
+run measured (timings, device memory) lies beside it (mlacheck.harness.CaseResult).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import traceback
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mlacheck import counterfactual, fp8, known
+from mlacheck import counterfactual, fp8, heatmap, known, probes
 from mlacheck import tolerances as tol
 from mlacheck.backends.base import Output
 from mlacheck.golden.core import Result
 from mlacheck.inputs import Inputs, PrefillInputs
 from mlacheck.kvcache import byte_region
 from mlacheck.localise import diagnose, localise, shared_properties, units_phrase
+from mlacheck.probes import Probes, Rerun
 from mlacheck.spec import Case
-from mlacheck.verdict import FAIL, PASS, Check, Verdict, Where, ranges
+from mlacheck.verdict import CRASH, ERROR, FAIL, PASS, SKIP, Check, Verdict, Where, ranges
 
 # --------------------------------------------------------------------------- metrics
 
@@ -103,12 +113,13 @@ def verdict(
     backend: str = "",
     repeats: Repeats | None = None,
     implementation: Mapping[str, Any] | None = None,
+    rerun: Rerun | None = None,
 ) -> Verdict:
     """Judge one case: the kernel's output against the golden, bounded by the baseline; its
     own schedule metadata (when the backend validated one) and, with `repeats`, determinism.
-    `implementation`: what ran (versions), completed with what the backend reported."""
-    v = Verdict(case.id, backend, case.op, PASS, case=json.loads(case.to_json()),
-                implementation=implementation_record(implementation or {}, output.metadata))
+    `implementation`: what ran (versions), completed with what the backend reported.
+    `rerun`: the kernel on other inputs, for the probes of a FAIL (none: no probes)."""
+    v = _new(case, backend, PASS, implementation_record(implementation or {}, output.metadata))
     failing = _judge_numerics(v, case, inputs, output, gold, baseline, ideal)
     problems = output.metadata.get("validation")
     if problems:  # the backend's own schedule (e.g. AITER persistent metadata) is wrong
@@ -121,7 +132,8 @@ def verdict(
         _diagnose_checks(v)
         if failing is not None:
             _name_the_semantics(v, case, inputs, output, gold, failing)
-    return v
+        _localise_further(v, inputs, output, gold, rerun)
+    return with_known_label(v, case)
 
 
 def _name_the_semantics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold: Result,
@@ -134,6 +146,58 @@ def _name_the_semantics(v: Verdict, case: Case, inputs: Inputs, output: Output, 
                                           failing)
     except Exception as e:  # noqa: BLE001 - a diagnosis never decides a verdict
         v.metrics["counterfactual_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
+def skipped(case: Case, backend: str, reason: str,
+            implementation: Mapping[str, Any] | None = None) -> Verdict:
+    """The backend cannot run the case here (a capability, the machine's memory): why."""
+    v = _new(case, backend, SKIP, dict(implementation or {}))
+    v.reason = reason
+    return v
+
+
+def crashed(case: Case, backend: str, error: BaseException,
+            implementation: Mapping[str, Any] | None = None) -> Verdict:
+    """The implementation under test raised: CRASH, with its first line and traceback."""
+    v = _new(case, backend, CRASH, dict(implementation or {}))
+    v.reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+    v.metrics["traceback"] = _traceback(error)
+    return with_known_label(v, case)
+
+
+def suite_error(case: Case, backend: str, stage: str, error: BaseException,
+                implementation: Mapping[str, Any] | None = None) -> Verdict:
+    """mlacheck itself failed while `stage` (building inputs, the references, judging):
+    ERROR, never charged to the kernel."""
+    v = _new(case, backend, ERROR, dict(implementation or {}))
+    v.reason = f"suite error while {stage}: {type(error).__name__}: {error}".splitlines()[0][:500]
+    v.metrics["traceback"] = _traceback(error)
+    return v
+
+
+def _new(case: Case, backend: str, status: str, implementation: dict[str, Any]) -> Verdict:
+    return Verdict(case.id, backend, case.op, status, case=json.loads(case.to_json()),
+                   implementation=implementation)
+
+
+def _traceback(error: BaseException) -> str:
+    return "".join(traceback.format_exception(type(error), error, error.__traceback__,
+                                              limit=8))
+
+
+def _localise_further(v: Verdict, inputs: Inputs, output: Output, gold: Result,
+                      rerun: Rerun | None) -> None:
+    """Where a FAIL lies beyond its rows: the probes, when its axis is one they sharpen, and
+    the heat map's data. Never decides the verdict: a failure here is noted, nothing more."""
+    try:
+        axis = v.metrics.get("axis")
+        if rerun is not None and axis in PROBED_AXES:
+            refine_diagnosis(v, inputs, gold, probes.collect(inputs, rerun, axis in ALONE_AXES))
+        if tuple(output.out.shape) == tuple(gold.out.shape):
+            v.metrics.update(heatmap.metrics(by_rows(
+                row_errors, output.out.detach(), gold.out.detach().to(output.out.device))))
+    except Exception as e:  # noqa: BLE001 - localisation never decides a verdict
+        v.metrics["localisation_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
 def with_known_label(v: Verdict, case: Case) -> Verdict:
@@ -429,14 +493,6 @@ def _nonfinite_detail(k_bad: torch.Tensor, g_bad: torch.Tensor) -> str:
 # placement is the cause, e.g. a 32-bit offset wrap whose wrong pages hold NaN like a tail).
 ALONE_AXES = frozenset({"all", "requests", "segments"})
 PROBED_AXES = ALONE_AXES | {"kv"}
-
-
-@dataclass
-class Probes:
-    """Kernel outputs on rearranged copies of the inputs (mlacheck.probes)."""
-
-    alone: dict[int, Output] = field(default_factory=dict)  # unit -> its output run alone
-    relocated: Output | None = None  # all units, live pages moved to the pool's bottom
 
 
 def _passes(got: Output, gold_out: torch.Tensor, bound: float) -> bool:

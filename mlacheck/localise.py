@@ -1,5 +1,5 @@
 """Where a failure lives: which rows, and along which axis the bug acts (the report's heat map
-of the rows is mlacheck/report/heatmap.py).
+of the rows is mlacheck/heatmap.py).
 
 `localise` groups bad rows [T, H] by request (decode) or segment (prefill): token range,
 heads, worst error, pages and pool bytes. `diagnose` reads the pattern of the bad rows and

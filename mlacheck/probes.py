@@ -10,17 +10,22 @@ probe rebuilds the inputs around the very same tensors:
   below 2^31), same tokens in the same order.
 
 The golden of a probe is the original golden's rows (same data, same attention), so the
-judge compares the kernel's probe output with rows it already has. The harness runs probes
-only on FAIL (mlacheck.harness), the judge reads them (judge.probe_diagnosis).
+judge compares the kernel's probe output with rows it already has. The judge asks for probes
+only on a FAIL whose axis they can sharpen (`collect`, through the harness's `Rerun`: the
+kernel on other inputs) and reads them (judge.refine_diagnosis).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from mlacheck import fp8, kvcache
+from mlacheck.backends.base import Output
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs, Quantised, cu_seqlens
 from mlacheck.kvcache import KVPool, PageTable
 from mlacheck.spec import Case, PrefillCase, SparseDecodeCase
@@ -88,7 +93,7 @@ def _compact(pool: KVPool) -> KVPool:
 
 
 def worth_relocating(inputs: Inputs) -> bool:
-    pool = inputs.pool if isinstance(inputs, DecodeInputs) else inputs.k_pool
+    pool = inputs.paged_pool
     if pool is None or pool.table.indices.numel() == 0:
         return False
     top = int(pool.table.indices.max())
@@ -110,3 +115,34 @@ def relocated(inputs: Inputs) -> Inputs:
 def units_worth_isolating(case: Case) -> bool:
     """A batch of several units with rows (sparse cases have their own pseudo-batches)."""
     return not isinstance(case, SparseDecodeCase) and sum(q > 0 for q in case.q_lengths) > 1
+
+
+# The kernel under test on other inputs (the harness gives the judge one): None when it
+# refuses the case or raises (a probe that fails says nothing).
+Rerun = Callable[[Case, Inputs], "Output | None"]
+
+
+@dataclass
+class Probes:
+    """Kernel outputs on rearranged copies of the inputs."""
+
+    alone: dict[int, Output] = field(default_factory=dict)  # unit -> its output run alone
+    relocated: Output | None = None  # all units, live pages moved to the pool's bottom
+
+
+def collect(inputs: Inputs, rerun: Rerun, alone: bool = True) -> Probes:
+    """Re-run the kernel on the same data arranged otherwise: units alone (when `alone`),
+    pages relocated; a probe the kernel refuses or crashes on is left out."""
+    found = Probes()
+    if alone and units_worth_isolating(inputs.case):
+        cuts = inputs.row_bounds
+        with_rows = [u for u in range(len(cuts) - 1) if cuts[u + 1] > cuts[u]]
+        for u in with_rows[:MAX_UNITS_ALONE]:
+            with contextlib.suppress(Exception):
+                out = rerun(*one_unit(inputs, u))
+                if out is not None:
+                    found.alone[u] = out
+    if worth_relocating(inputs):
+        with contextlib.suppress(Exception):
+            found.relocated = rerun(inputs.case, relocated(inputs))
+    return found

@@ -446,7 +446,7 @@ def mla_state(request: pytest.FixtureRequest) -> _State:
 
 def check_item(item: MatrixItem, state: _State, node: pytest.Item) -> None:
     """Run one item, record its verdict, and turn it into a pytest outcome."""
-    from mlacheck.harness import DeviceError, RunOptions, run_case
+    from mlacheck.harness import CaseResult, DeviceError, RunOptions, run
     from mlacheck.session import pytest_outcome
     from mlacheck.verdict import CRASH, XPASS, Verdict
 
@@ -458,11 +458,12 @@ def check_item(item: MatrixItem, state: _State, node: pytest.Item) -> None:
     backend = state.backend(item.backend)
     start = time.time()
     try:
-        verdict = run_case(item.case, backend, opts)
+        result = run(item.case, backend, opts)
     except DeviceError as e:
-        verdict = Verdict(item.case.id, item.backend, item.case.op, CRASH, f"device error: {e}")
+        result = CaseResult(Verdict(item.case.id, item.backend, item.case.op, CRASH,
+                                    f"device error: {e}"))
         state.device_poisoned = item.case.id
-    record = verdict.to_dict()
+    verdict, record = result.verdict, result.record()
     # when and in which worker it ran: a run's timeline (benchmarks/suite_throughput.py)
     record.update(nodeid=node.nodeid, wall=time.time() - start, device=state.device,
                   backend_spec=item.backend, started=start,

@@ -23,7 +23,7 @@ from mlacheck.report.summary import KNOWN, STATUSES, Failure, Summary, ratio
 from mlacheck.verdict import CRASH, FAIL, PASS, SKIP, noteworthy
 
 COLOURS = {PASS: "#2e7d32", FAIL: "#c62828", CRASH: "#6a1b9a", SKIP: "#9e9e9e", KNOWN: "#ef6c00"}
-NONFINITE = 1e29  # the heat map's data writes non-finite rows as 1e30; anything this large is one
+NONFINITE = 1e29  # mlacheck.heatmap writes non-finite rows as 1e30; anything this large is one
 NONFINITE_COLOUR = (0xE0, 0x40, 0xFB)  # magenta
 RATIO_FLOOR = 1e-4  # worst/bound below this (e.g. an exact 0) is drawn at the floor of a log axis
 RATIO_CEIL = 1e6  # and above this (e.g. inf) at the ceiling
@@ -133,7 +133,7 @@ def _hash01(i: int, j: int) -> float:
 
 
 def token_step(heat_rows: int, heat_heads: int, rows: object) -> int:
-    """Tokens per heat-map row: the heat map's data max-pools long token axes into blocks."""
+    """Tokens per heat-map row: mlacheck.heatmap max-pools long token axes into blocks."""
     if not isinstance(rows, int) or rows <= 0 or heat_rows <= 0 or heat_heads <= 0:
         return 1
     tokens = rows // heat_heads

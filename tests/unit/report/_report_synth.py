@@ -52,7 +52,7 @@ def failing() -> Verdict:
     heat = [[0.01] * 16 for _ in range(8)]
     for t in range(4, 8):
         heat[t][2] = heat[t][3] = 0.9
-    heat[7][5] = 1e30  # a non-finite row, as report.heatmap writes it
+    heat[7][5] = 1e30  # a non-finite row, as mlacheck.heatmap writes it
     where = [
         Where(
             "row_error",

@@ -1,5 +1,5 @@
-"""The heat map's data lives with the report (issue 16 audit): the judge decides and draws
-nothing; the harness records the pooled grid for a FAIL; non-finite rows are marked."""
+"""The heat map's data (mlacheck.heatmap): the judge records the pooled grid for a FAIL and
+draws nothing (the report draws it); non-finite rows are marked."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import math
 
 import torch
 
-from mlacheck import golden, harness, judge
+from mlacheck import golden, harness, heatmap, judge
 from mlacheck import inputs as inputs_mod
 from mlacheck.backends.faults import make
-from mlacheck.report import heatmap
 from mlacheck.spec import DecodeCase, Request
 
 
@@ -26,14 +25,22 @@ def test_grid_max_pools_and_marks_non_finite_rows() -> None:
     assert grid[599 // ft][3] == heatmap.NONFINITE and grid[0][0] == 0.0
 
 
-def test_the_judge_records_no_heat_map_the_harness_does() -> None:
+def test_the_judge_records_the_heat_map_of_a_fail() -> None:
     case = DecodeCase(requests=(Request(1, 37), Request(1, 70)), num_heads=8, page_size=16)
     fault = make("unpad-heads-slice")
     inp = inputs_mod.build(case, "cpu")
     out = fault.run(case, inp)
     gold = golden.reference(inp, "exact", "fp32")
     v = judge.verdict(case, inp, out, gold, harness._baseline(case, inp), backend=fault.name)
-    assert v.status == "FAIL" and "heatmap" not in v.metrics
+    assert v.status == "FAIL" and v.metrics["heatmap_block"] == [1, 1]
+    passing = judge.verdict(case, inp, gold_output(gold), gold, harness._baseline(case, inp))
+    assert passing.status == "PASS" and "heatmap" not in passing.metrics
     v = harness.run_case(case, make("unpad-heads-slice"))
     assert v.status == "FAIL" and len(v.metrics["heatmap"]) == 2  # tokens x heads
     assert len(v.metrics["heatmap"][0]) == 8 and v.metrics["heatmap_block"] == [1, 1]
+
+
+def gold_output(gold):  # noqa: ANN001, ANN201 - the golden itself as a kernel's output
+    from mlacheck.backends.base import Output
+
+    return Output(gold.out.to(torch.bfloat16).clone(), gold.lse.clone())

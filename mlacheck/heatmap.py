@@ -1,9 +1,8 @@
 """The error heat map's data: per-row errors (tokens x heads) pooled to a size a report can
 draw, stored in a verdict's metrics (JSON has no tensors, no inf).
 
-The judge decides and localises; it draws nothing. The harness records this grid for a
-FAIL from the kernel's and the golden's rows, and report/plots.py draws it. torch is only
-a type here: the report package stays importable without it.
+The judge records this grid for a FAIL (from the kernel's and the golden's rows); it draws
+nothing: mlacheck/report/plots.py draws it from the results file. torch is only a type here.
 """
 
 from __future__ import annotations
