@@ -30,6 +30,7 @@ from mlacheck.kvcache import KVPool, PageTable
 from mlacheck.matrices.loader import Matrix, MatrixError
 from mlacheck.matrices.loader import load as load_matrix
 from mlacheck.matrices.loader import names as matrix_names
+from mlacheck.search import find_failing_case
 from mlacheck.spec import (
     DecodeCase,
     MLADims,
@@ -44,7 +45,6 @@ from mlacheck.spec import (
 from mlacheck.strategies import (
     cases,
     decode_cases,
-    find_failing_case,
     paged_prefill_cases,
     prefill_cases,
     sparse_cases,

@@ -6,7 +6,9 @@ catching every bug a case let act, and the matrices letting through those no cas
 Each class here names the shape, says why it matters, and has a predicate per case, so the
 matrix loader can show what a matrix covers (`mlacheck list --coverage`), a test can require
 smoke and premerge to cover every class that runs on a CPU, and the Hypothesis strategies
-draw these shapes first.
+draw these shapes first. The catalogue a fault or a matrix group cites a class from is
+mlacheck/bugclasses.py (numbered bug classes and these, by name). Importing this module
+imports no torch (the catalogue is read by the torch-free fault catalogue).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from mlacheck import kvcache
 from mlacheck.spec import FORMAT_BYTES, Case, Op
 
 # Tile / split / partition sizes kernels use along kv (FlashAttention-style tiles 64-256,
@@ -79,6 +80,8 @@ def live_pages_past(case: Case, page_id: int) -> float:
         return 0.0
     lens, ps, page_bytes = geo
     live = sum(-(-n // ps) for n in lens)
+    from mlacheck import kvcache
+
     total = kvcache.pool_page_count(lens, ps, page_bytes, case.placement)
     first = total - live - case.placement.spare_pages
     window = live if case.placement.kind == "packed" else live + case.placement.spare_pages
@@ -111,6 +114,8 @@ def _live_bytes_past(bound: int) -> Callable[[Case], bool]:
         if geo is None:
             return False
         lens, ps, page_bytes = geo
+        from mlacheck import kvcache
+
         return kvcache.pool_page_count(lens, ps, page_bytes, case.placement) * page_bytes > bound
     return applies
 

@@ -1,15 +1,23 @@
-"""The real MLA kernel bug classes the suite must catch, numbered as matrices cite them.
+"""The one catalogue of the classes a fault or a matrix group cites: the real MLA kernel bug
+classes the suite must catch (numbered), and the boundary classes (by name).
 
-Collected from public bug reports against production MLA kernels (vLLM, SGLang, AITER).
-A matrix group names the classes it targets (`covers:`, checked by the matrix loader) and
-each planted fault in mlacheck/backends/faults names the class it reproduces (checked when
-the catalogue is built). That every class here is covered is a test, not a command:
-tests/unit/matrices/test_matrix_coverage.py (premerge claims every class) and
-tests/unit/faults/test_faults.py (every class has a fault). `mlacheck list --coverage` shows
-the boundary classes of mlacheck/boundaries.py instead.
+The numbered classes are collected from public bug reports against production MLA kernels
+(vLLM, SGLang, AITER); the boundary classes are the case shapes of mlacheck/boundaries.py,
+which also holds the predicate that says whether a case has the shape. A matrix group names
+the classes it targets (`covers:`, checked by the matrix loader) and each planted fault in
+mlacheck/backends/faults names the class it reproduces (checked when the fault catalogue is
+built), both through `is_class` / `describe` here. That every numbered class is covered is a
+test, not a command: tests/unit/matrices/test_matrix_coverage.py (premerge claims every
+class) and tests/unit/faults/test_faults.py (every class has a fault). `mlacheck list
+--coverage` shows the boundary classes each matrix covers. Importing this imports no torch.
 """
 
 from __future__ import annotations
+
+ClassRef = int | str  # a numbered bug class, or a boundary class's name
+
+# A planted fault that reproduces a generic mistake rather than one class (faults only).
+GENERIC = "generic"
 
 BUG_CLASSES: dict[int, str] = {
     1: "decode path sliced to all tokens (prefill + decode) instead of the decode tokens: "
@@ -30,3 +38,32 @@ BUG_CLASSES: dict[int, str] = {
     12: "missing or wrong head padding / unpadding of the output; stray attributes on rarely "
         "taken paths (crash on first call)",
 }
+
+
+def boundary_classes() -> dict[str, str]:
+    """The boundary classes by name, with why each matters (mlacheck/boundaries.py)."""
+    from mlacheck.boundaries import CLASSES
+
+    return {c.name: c.why for c in CLASSES}
+
+
+def is_class(ref: object, generic: bool = False) -> bool:
+    """`ref` names a class of the catalogue (`generic`: "generic" counts, as for faults)."""
+    if isinstance(ref, bool):
+        return False
+    if isinstance(ref, int):
+        return ref in BUG_CLASSES
+    return ref in boundary_classes() or (generic and ref == GENERIC)
+
+
+def describe(ref: ClassRef) -> str:
+    """What a class is, in one line."""
+    if isinstance(ref, int):
+        return BUG_CLASSES[ref]
+    return GENERIC if ref == GENERIC else boundary_classes()[ref]
+
+
+def what_may_be_cited(joiner: str = "or") -> str:
+    """For a message: the numbered range and the boundary class names."""
+    return (f"a bug class of mlacheck/bugclasses.py ({min(BUG_CLASSES)}..{max(BUG_CLASSES)}) "
+            f"{joiner} a boundary class ({', '.join(boundary_classes())})")

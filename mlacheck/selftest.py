@@ -196,17 +196,15 @@ def search_fault(res: FaultResult, device: str, budget: int, inner: str | None =
                  offset_bits: int = OFFSET_BITS) -> None:
     """Hypothesis search for the fault's simplest failing case (see module docstring).
 
-    The settings are strategies.find_failing_case's (derandomized, no example database, no
-    deadline); on top of it: the run options the fault needs (a repeated run for a
+    The search is mlacheck.search's (derandomized, no example database, no deadline); on top
+    of it: the run options the fault needs (a repeated run for a
     determinism fault), a fresh instance primed with the spec's priming case for every
     example of a stateful fault, and a cap of `budget` backend runs. High placements drawn
     are moved into an `offset_bits`-wide model (`scale_case`).
     """
-    from hypothesis import HealthCheck, Phase, Verbosity, find, settings
-    from hypothesis.errors import NoSuchExample
-
     from mlacheck.backends.faults.search import strategy
     from mlacheck.harness import run_case
+    from mlacheck.search import smallest
 
     spec = res.spec
     opts = _run_options(device, 2 if spec.determinism else 1)
@@ -232,13 +230,9 @@ def search_fault(res: FaultResult, device: str, budget: int, inner: str | None =
             failing[case.id] = v
         return seen[case.id]
 
-    search = settings(max_examples=budget, derandomize=True, database=None, deadline=None,
-                      verbosity=Verbosity.quiet, phases=(Phase.generate, Phase.shrink),
-                      suppress_health_check=list(HealthCheck))
-    try:
-        drawn = strategy(spec.search).map(lambda c: scale_case(c, offset_bits))
-        case = find(drawn, fails, settings=search)
-    except NoSuchExample:
+    case = smallest(strategy(spec.search).map(lambda c: scale_case(c, offset_bits)), fails,
+                    budget)
+    if case is None:
         res.search_note = f"no failing case in {res.search_runs} runs"
         return
     res.minimal_case, res.minimal = case, failing[case.id]

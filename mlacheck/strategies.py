@@ -1,4 +1,4 @@
-"""Hypothesis strategies over MLA cases, and a search for a backend's smallest failing case.
+"""Hypothesis strategies over MLA cases.
 
 The matrices (mlacheck/matrices) pin the cases a gate runs; these strategies explore the
 space between them. Every strategy yields valid cases only (the spec's rules are respected
@@ -11,22 +11,18 @@ of mlacheck/boundaries.py (tile-boundary lengths, empty requests / segments, per
 scales; long kv and wide page ids on request) are the first branch of each choice, so a
 search meets them early and a failure that needs one keeps it.
 
-`find_failing_case(backend, strategy)` searches (derandomized, no example database, so CI
-runs are reproducible) and returns the shrunk case with its verdict.
+The search for a backend's smallest failing case over these strategies is mlacheck.search
+(it runs the harness, a layer above the cases).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hypothesis import HealthCheck, Phase, Verbosity, find, settings
 from hypothesis import strategies as st
-from hypothesis.errors import NoSuchExample
 
 from mlacheck import layouts as kv_layouts
-from mlacheck.backends.base import Backend
 from mlacheck.boundaries import LONG_KV, TILE_SIZES
-from mlacheck.harness import RunOptions, run_case
 from mlacheck.spec import (
     DEEPSEEK_V3,
     NO_YARN,
@@ -41,7 +37,6 @@ from mlacheck.spec import (
     Segment,
     SparseDecodeCase,
 )
-from mlacheck.verdict import Verdict
 
 # 16 first: the head count every MLA kernel handles natively (no padding); then by size.
 HEAD_COUNTS: tuple[int, ...] = (16, 8, 12, 24, 32, 64, 128)
@@ -359,44 +354,6 @@ def cases(op: str = "any") -> st.SearchStrategy[Case]:
     return by_op[op]
 
 
-def find_failing_case(
-    backend: Backend,
-    strategy: st.SearchStrategy[Case],
-    max_examples: int = 200,
-    device: str = "cpu",
-) -> tuple[Case, Verdict] | None:
-    """The simplest case from `strategy` that `backend` FAILs or CRASHes on, and its verdict.
-
-    None when no failure turns up in `max_examples` examples. Deterministic: derandomized,
-    without an example database. A SKIP (unsupported case) is not a failure. A DeviceError
-    (poisoned device context) propagates: the search cannot go on on that device.
-    """
-    failing: dict[str, Verdict] = {}
-    opts = RunOptions(device=device)
-
-    def fails(case: Case) -> bool:
-        v = run_case(case, backend, opts)
-        if v.kernel_failed:
-            failing[case.id] = v
-            return True
-        return False
-
-    search = settings(
-        max_examples=max_examples,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        verbosity=Verbosity.quiet,
-        phases=(Phase.generate, Phase.shrink),
-        suppress_health_check=list(HealthCheck),
-    )
-    try:
-        case = find(strategy, fails, settings=search)
-    except NoSuchExample:
-        return None
-    return case, failing[case.id]
-
-
 __all__ = [
     "HEAD_COUNTS",
     "LARGE_KV_PLACEMENTS",
@@ -409,7 +366,6 @@ __all__ = [
     "WIDE_PAGE_KV",
     "cases",
     "decode_cases",
-    "find_failing_case",
     "paged_prefill_cases",
     "prefill_cases",
     "sparse_cases",

@@ -349,7 +349,7 @@ class CudaLookingTensor(torch.Tensor):
 def set_compile_only_target(target: tuple[str, int, int] = INTERPRETER_TARGET) -> str:
     """Make Triton compile for `target` on a machine without that GPU (nothing can launch).
 
-    Used by `python -m mlacheck.backends.aiter_triton_check --compile-only` before AITER is
+    Used by `python -m mlacheck.tools.aiter_triton_check --compile-only` before AITER is
     imported (AITER caches the arch at import).
     """
     global _COMPILE_ONLY_TARGET

@@ -59,8 +59,7 @@ from typing import Any
 
 import yaml
 
-from mlacheck import boundaries
-from mlacheck.bugclasses import BUG_CLASSES
+from mlacheck import boundaries, bugclasses
 from mlacheck.markers import KNOWN_MARKERS
 from mlacheck.spec import (
     CASE_TYPES,
@@ -77,9 +76,8 @@ from mlacheck.spec import (
 # Packaged matrices, smallest first: the order `names()` lists them in.
 CANONICAL_ORDER = ("smoke", "premerge", "nightly", "full")
 
-# What a group's `covers:` entries may name: a bug class of mlacheck/bugclasses.py (by its
-# number) or a boundary class of mlacheck/boundaries.py (by its name).
-_BUG_CLASS_RANGE = f"{min(BUG_CLASSES)}..{max(BUG_CLASSES)}"
+# What a group's `covers:` entries may name: a class of the one catalogue,
+# mlacheck/bugclasses.py (a bug class by its number, a boundary class by its name).
 
 GROUP_KEYS = ("name", "kind", "covers", "base", "axes", "seeds", "markers", "exclude")
 TOP_KEYS = ("name", "description", "include", "shared", "groups")
@@ -309,13 +307,12 @@ def _expand_group(group: Any, index: int, file: str, seen: set[str]) -> list[Mat
         raise MatrixError(f"{where}: kind must be one of {', '.join(CASE_TYPES)}, not {kind!r}")
     covers = group.get("covers", []) or []
     if not isinstance(covers, list):
-        raise MatrixError(f"{where}: covers must be a list of bug classes of "
-                          f"mlacheck/bugclasses.py ({_BUG_CLASS_RANGE}) or boundary class names")
+        raise MatrixError(f"{where}: covers must be a list of classes, each "
+                          f"{bugclasses.what_may_be_cited()}")
     for c in covers:
-        if isinstance(c, bool) or (c not in BUG_CLASSES and c not in boundaries.BY_NAME):
-            raise MatrixError(f"{where}: covers {c!r} is neither a bug class of "
-                              f"mlacheck/bugclasses.py ({_BUG_CLASS_RANGE}) nor a boundary "
-                              f"class ({', '.join(boundaries.BY_NAME)})")
+        if not bugclasses.is_class(c):
+            raise MatrixError(f"{where}: covers {c!r} is neither "
+                              f"{bugclasses.what_may_be_cited('nor')}")
     base = group.get("base", {}) or {}
     axes = dict(group.get("axes", {}) or {})
     if not isinstance(base, dict) or not isinstance(axes, dict):

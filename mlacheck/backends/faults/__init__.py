@@ -31,7 +31,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from mlacheck.bugclasses import BUG_CLASSES
+from mlacheck import bugclasses
 from mlacheck.ops import Op
 
 PREFIX = "fault:"
@@ -40,7 +40,7 @@ PREFIX = "fault:"
 @dataclass(frozen=True)
 class FaultSpec:
     name: str
-    bug_class: int | str  # mlacheck.bugclasses number, a boundary class name, or "generic"
+    bug_class: int | str  # in mlacheck.bugclasses: a number, a boundary class name, "generic"
     mechanism: str  # one line
     factory: str  # "module:function"; the function takes an optional `inner` backend name
     inner: str  # the correct backend it is planted in (registry name)
@@ -53,13 +53,10 @@ class FaultSpec:
     contrast: str = ""  # where the same fault must PASS: proof it is the mechanism
 
     def __post_init__(self) -> None:
-        # A number names a class of mlacheck/bugclasses.py. (A boundary class name is checked
-        # by tests/unit/faults/test_faults.py: mlacheck.boundaries imports torch, this
-        # catalogue must not.)
-        if isinstance(self.bug_class, bool) or (
-                isinstance(self.bug_class, int) and self.bug_class not in BUG_CLASSES):
+        if not bugclasses.is_class(self.bug_class, generic=True):
             raise ValueError(f"fault {self.name}: bug class {self.bug_class!r} is not one of "
-                             f"mlacheck/bugclasses.py ({min(BUG_CLASSES)}..{max(BUG_CLASSES)})")
+                             f"the catalogue: {bugclasses.what_may_be_cited()}, or "
+                             f"{bugclasses.GENERIC!r}")
 
     @property
     def backend_name(self) -> str:

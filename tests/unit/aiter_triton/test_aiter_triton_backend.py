@@ -349,7 +349,8 @@ def test_lse_from_splits_ignores_unwritten_splits() -> None:
 def test_check_tool_lives_apart_and_says_why_nothing_ran(capsys: pytest.CaptureFixture[str]
                                                          ) -> None:
     """The smoke / compile-only tool is its own module; without AITER it names the reason."""
-    from mlacheck.backends import aiter_triton, aiter_triton_check
+    from mlacheck.backends import aiter_triton
+    from mlacheck.tools import aiter_triton_check
 
     assert not hasattr(aiter_triton, "main") and not hasattr(aiter_triton, "compile_check")
     if not isinstance(aiter_triton.load(), str):

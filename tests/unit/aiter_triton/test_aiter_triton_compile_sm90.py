@@ -46,7 +46,7 @@ def _compile(tmp: Path, *flags: str) -> list[dict]:
     env = dict(os.environ, AITER_TRITON_ONLY="1")
     env.pop("TRITON_INTERPRET", None)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "mlacheck.backends.aiter_triton_check", "--compile-only", "--json",
+    cmd = [sys.executable, "-m", "mlacheck.tools.aiter_triton_check", "--compile-only", "--json",
            str(tmp), *flags]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=REPO)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]

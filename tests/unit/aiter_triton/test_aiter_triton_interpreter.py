@@ -73,7 +73,7 @@ def interpreter() -> None:
 @pytest.fixture(scope="module")
 def smoke(interpreter: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("aiter_triton_interp")
-    cmd = [sys.executable, "-m", "mlacheck.backends.aiter_triton_check", "--device", "cpu", "--rope",
+    cmd = [sys.executable, "-m", "mlacheck.tools.aiter_triton_check", "--device", "cpu", "--rope",
            "--json", str(out)]
     res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=1200,
                          cwd=REPO)

@@ -378,13 +378,17 @@ def test_registry_names_every_fault_lazily() -> None:
 
 
 def test_every_fault_names_a_known_class_and_every_bug_class_has_a_fault() -> None:
-    from mlacheck import boundaries
+    from mlacheck import boundaries, bugclasses
     from mlacheck.backends.faults import FaultSpec
     from mlacheck.bugclasses import BUG_CLASSES
 
     for spec in FAULTS.values():
         c = spec.bug_class
         assert c in BUG_CLASSES or c == "generic" or c in boundaries.BY_NAME, (spec.name, c)
+    # the one catalogue says the same, and the fault catalogue refuses anything else
+    assert all(bugclasses.is_class(s.bug_class, generic=True) for s in FAULTS.values())
+    with pytest.raises(ValueError, match="'kv-multiple-of-63' is not one of the catalogue"):
+        dataclasses.replace(next(iter(FAULTS.values())), bug_class="kv-multiple-of-63")
     assert {s.bug_class for s in FAULTS.values() if isinstance(s.bug_class, int)} == set(BUG_CLASSES)
     some = next(iter(FAULTS.values()))
     for bad in (13, 0, True):

@@ -9,7 +9,7 @@ import tarfile
 import types
 from pathlib import Path
 
-from mlacheck.backends import flashinfer_prebuild
+from mlacheck.tools import flashinfer_prebuild
 
 
 def _fake_jit(root: Path) -> types.ModuleType:

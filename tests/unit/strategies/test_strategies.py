@@ -16,6 +16,7 @@ from mlacheck.backends.base import Capability, Output
 from mlacheck.backends.numerics import flash_attend, p_format_for
 from mlacheck.backends.torch_ref import TorchBackend
 from mlacheck.inputs import DecodeInputs, Inputs
+from mlacheck.search import find_failing_case
 from mlacheck.spec import (
     Case,
     DecodeCase,
@@ -194,11 +195,11 @@ class DropsLastKVToken(_Wrapped):
 
 
 def test_no_failure_on_the_reference_backend() -> None:
-    assert S.find_failing_case(TorchBackend(), S.cases("any"), max_examples=20) is None
+    assert find_failing_case(TorchBackend(), S.cases("any"), max_examples=20) is None
 
 
 def test_finds_and_shrinks_a_head_bug_to_the_first_head_count_above_16() -> None:
-    found = S.find_failing_case(PerturbsHighHeads(), S.prefill_cases())
+    found = find_failing_case(PerturbsHighHeads(), S.prefill_cases())
     assert found is not None
     case, verdict = found
     assert verdict.status == "FAIL" and "row_error" in verdict.reason
@@ -209,7 +210,7 @@ def test_finds_and_shrinks_a_head_bug_to_the_first_head_count_above_16() -> None
 
 
 def test_finds_and_shrinks_a_dropped_kv_token_to_the_threshold() -> None:
-    found = S.find_failing_case(DropsLastKVToken(), S.decode_cases())
+    found = find_failing_case(DropsLastKVToken(), S.decode_cases())
     assert found is not None
     case, verdict = found
     assert verdict.status == "FAIL" and "lse" in verdict.reason
@@ -220,8 +221,8 @@ def test_finds_and_shrinks_a_dropped_kv_token_to_the_threshold() -> None:
 
 
 def test_search_is_deterministic() -> None:
-    first = S.find_failing_case(DropsLastKVToken(), S.decode_cases(), max_examples=50)
-    second = S.find_failing_case(DropsLastKVToken(), S.decode_cases(), max_examples=50)
+    first = find_failing_case(DropsLastKVToken(), S.decode_cases(), max_examples=50)
+    second = find_failing_case(DropsLastKVToken(), S.decode_cases(), max_examples=50)
     assert first is not None and second is not None
     assert first[0] == second[0] and first[1].metrics == second[1].metrics
 
