@@ -22,11 +22,11 @@ import sys
 from pathlib import Path
 
 VENDORED = ("mlacheck/backends/aiter_model/jit",)
-# A verdict-status test written out: `status in (FAIL, CRASH)`, `.status == FAIL`, ...
-STATUS_TEST = re.compile(
-    r"""(status\s*(==|!=)\s*["']?(PASS|FAIL|CRASH|SKIP|ERROR)\b"""
-    r"""|status\s+(not\s+)?in\s*\(\s*["']?(PASS|FAIL|CRASH|SKIP|ERROR)"""
-    r"""|\b(is_known|is_xpass)\()""")
+# A status's meaning written out: `status in (FAIL, CRASH)`, `not in (PASS, SKIP)`, or the
+# old copies `is_known(` / `is_xpass(` (what mlacheck/verdict.py owns).
+STATUS_TUPLE = re.compile(r"""\bin\s*\(\s*["']?(PASS|FAIL|CRASH|SKIP|ERROR)\b|\b(is_known|is_xpass)\(""")
+# One status compared: `v.status == CRASH` (a crash's traceback, ...): counted, not a copy.
+STATUS_EQ = re.compile(r"""status\s*(==|!=)\s*["']?(PASS|FAIL|CRASH|SKIP|ERROR)\b""")
 # A branch on the kind of case: isinstance(x, DecodeCase / PrefillCase / SparseDecodeCase ...)
 CASE_KINDS = re.compile(r"isinstance\([^()]*(\([^()]*\))?[^()]*\b(Decode|Prefill|SparseDecode|"
                         r"PagedPrefill)Case\b")
@@ -85,19 +85,25 @@ def measure(root: Path) -> dict[str, object]:
     lines = {m: len(p.read_text(encoding="utf-8").splitlines()) for m, p in mods.items()}
     out_of_backends = sorted(b for a, b in node_arrows if a == "mlacheck.backends")
     above = _importers_of(node_arrows, "mlacheck.backends")
-    status_tests, kinds = [], []
+    status_tests, status_eq, kinds, asserts = [], [], [], 0
     for m, p in mods.items():
         for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-            if STATUS_TEST.search(line) and m != "mlacheck.verdict":
+            code = line.split("#")[0]
+            if m != "mlacheck.verdict" and STATUS_TUPLE.search(code):
                 status_tests.append(f"{p.relative_to(root)}:{i}")
-            kinds += [f"{p.relative_to(root)}:{i}"] * len(CASE_KINDS.findall(line))
+            if m != "mlacheck.verdict" and STATUS_EQ.search(code):
+                status_eq.append(f"{p.relative_to(root)}:{i}")
+            found = len(CASE_KINDS.findall(line))
+            kinds += [f"{p.relative_to(root)}:{i}"] * found
+            asserts += found if line.strip().startswith("assert ") else 0
     return {
         "files": len(mods), "lines": sum(lines.values()), "nodes": len(nodes),
         "file_arrows": len(arrows), "node_arrows": len(node_arrows),
         "arrows_out_of_backends": out_of_backends,
         "upward_out_of_backends": sorted(set(out_of_backends) & above),
-        "status_tests_outside_verdict": status_tests,
-        "isinstance_case_kind": len(kinds), "isinstance_case_kind_files": len({k.rsplit(":", 1)[0] for k in kinds}),
+        "status_tests_outside_verdict": status_tests, "single_status_comparisons": status_eq,
+        "isinstance_case_kind": len(kinds), "isinstance_case_kind_asserts": asserts,
+        "isinstance_case_kind_files": len({k.rsplit(":", 1)[0] for k in kinds}),
         "sizes": dict(sorted(lines.items())),
         "_arrows": sorted(arrows),
     }
@@ -131,9 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  upward (to a node that imports backends/): "
           f"{', '.join(m['upward_out_of_backends']) or 'none'}")
     st = m["status_tests_outside_verdict"]
-    print(f"status tests outside verdict.py: {len(st)}" + "".join(f"\n  {s}" for s in st))
-    print(f"isinstance branches on case kind: {m['isinstance_case_kind']} in "
-          f"{m['isinstance_case_kind_files']} files")
+    print(f"status tuple tests outside verdict.py: {len(st)}" + "".join(f"\n  {s}" for s in st))
+    print(f"single-status comparisons outside verdict.py: {len(m['single_status_comparisons'])}")
+    print(f"isinstance on case kind: {m['isinstance_case_kind']} in "
+          f"{m['isinstance_case_kind_files']} files ({m['isinstance_case_kind_asserts']} of "
+          "them type-narrowing asserts)")
     if args.sizes is not None:
         for name, n in m["sizes"].items():
             if not args.sizes or name in args.sizes or name.removeprefix("mlacheck.") in args.sizes:
