@@ -34,6 +34,7 @@ from mlacheck.search import find_failing_case
 from mlacheck.spec import (
     DecodeCase,
     MLADims,
+    Op,
     Paging,
     PrefillCase,
     Quant,
@@ -59,7 +60,7 @@ __all__ = [
     "available_names", "cuda_refusal", "library_version", "load_library", "lse_natural",
     "lse_tokens_heads", "resolve", "signature_problem", "skip_reason",
     # cases and inputs
-    "DecodeCase", "DecodeInputs", "KVPool", "MLADims", "PageTable", "Paging", "PrefillCase",
+    "DecodeCase", "DecodeInputs", "KVPool", "MLADims", "Op", "PageTable", "Paging", "PrefillCase",
     "PrefillInputs", "Quant", "Quantised", "Request", "Segment", "SparseDecodeCase",
     "build_inputs", "case_from_json", "reference",
     # matrices and search
