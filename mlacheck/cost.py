@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from mlacheck import footprint
-from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
+from mlacheck.spec import Case, PrefillCase, SparseDecodeCase
 
 # Per item whatever its size: the pytest item, the verdict line, admission, the checksum of the
 # shared inputs. The H100 nightly's small cases took ~0.1 s per item (1041 items, 99.7 s on
@@ -58,15 +58,12 @@ def attention_flops(case: Case) -> float:
     if isinstance(case, SparseDecodeCase):
         pairs = sum(r.q_len * min(case.topk, r.kv_len) for r in case.requests)
     else:
-        assert isinstance(case, DecodeCase)
-        pairs = sum(r.q_len * r.kv_len for r in case.requests)
+        pairs = sum(q * kv for q, kv in zip(case.q_lengths, case.kv_lengths, strict=True))
     return 2.0 * pairs * h * width
 
 
 def output_elements(case: Case) -> int:
-    d = case.dims
-    width = d.v_head if isinstance(case, PrefillCase) else d.kv_lora_rank
-    return case.total_q * case.num_heads * width
+    return case.total_q * case.num_heads * case.out_width
 
 
 def _kind(device: str) -> str:

@@ -8,8 +8,9 @@ Every case answers the same questions the same way, whatever its kind, so reader
 (capabilities, footprint, boundaries, localisation, backends) need not branch on the case
 type for shared facts: `op` (mlacheck.ops.Op), `units` (its segments or requests: each has
 `q_len` and `kv_len`), `unit_name`, `q_lengths`, `kv_lengths`, `total_q`, `total_kv`,
-`max_q_len`, `has_empty`, `paging` (page size and layout; None for an unpaged prefill) and
-`page_token_values` (the values one token takes in a page of its pool).
+`max_q_len`, `has_empty`, `paging` (page size and layout; None for an unpaged prefill),
+`page_token_values` (the values one token takes in a page of its pool) and `out_width` (Dv
+of the output [T, H, Dv]).
 """
 
 from __future__ import annotations
@@ -370,6 +371,11 @@ class PrefillCase(_CaseBase):
         return self.num_heads * self.dims.qk_head
 
     @property
+    def out_width(self) -> int:
+        """Dv of the output [T, H, Dv]: the per-head value width, 128."""
+        return self.dims.v_head
+
+    @property
     def slug(self) -> str:
         segs = len(self.segments)
         ctx = sum(s.context_len for s in self.segments)
@@ -431,6 +437,11 @@ class _Requests:
     def page_token_values(self) -> int:
         """Values per token in a page of the latent pool: [c_kv || k_pe], 576."""
         return self.dims.latent
+
+    @property
+    def out_width(self) -> int:
+        """Dv of the output [T, H, Dv]: the absorbed (latent) width, 512."""
+        return self.dims.kv_lora_rank
 
     def _batch_slug(self, kind: str) -> list[str]:
         kv = [r.kv_len for r in self.requests]

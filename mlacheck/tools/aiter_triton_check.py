@@ -28,7 +28,7 @@ from mlacheck.backends.aiter_triton import (
     load,
 )
 from mlacheck.preflight import PreflightError, resolve_device
-from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
+from mlacheck.spec import Case, DecodeCase, Op, PrefillCase, SparseDecodeCase
 
 # --------------------------------------------------------------------------- compile-only
 
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"op {op} unavailable: {why}")
     cases = [(n, c) for n, c in smoke_cases(compat.interpreting()) if args.only in n]
     if args.rope:
-        cases += [("rope " + n, c) for n, c in cases if isinstance(c, DecodeCase)
+        cases += [("rope " + n, c) for n, c in cases if c.op == Op.DECODE
                   and c.max_q_len == 1 and not c.quant.is_fp8]
     lines = []
     counts: dict[str, int] = {}
@@ -322,7 +322,7 @@ def _compile_main(args: argparse.Namespace) -> int:
     for name, case in compile_cases():
         if args.only in name:
             cases.append((name, case, main_b))
-            if (args.rope and isinstance(case, DecodeCase) and case.max_q_len == 1
+            if (args.rope and case.op == Op.DECODE and case.max_q_len == 1
                     and not case.quant.is_fp8):
                 cases.append(("rope " + name, case, rope_b))
     records = compile_check(cases, force=args.force)

@@ -46,6 +46,8 @@ def test_every_case_answers_the_shared_questions(case) -> None:  # noqa: ANN001
     else:
         assert case.paging == Paging(case.page_size, case.layout)
     assert case.page_token_values > 0
+    assert case.out_width == (case.dims.v_head if isinstance(case, PrefillCase)
+                              else case.dims.kv_lora_rank)
     # the accessors are not fields: the JSON, the id and the seed do not change
     back = case_from_json(case.to_json())
     assert back == case and back.id == case.id
