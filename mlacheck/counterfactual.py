@@ -34,13 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
-from mlacheck import boundaries, fp8
+from mlacheck import fp8
 from mlacheck.golden import decode as golden_decode
 from mlacheck.golden import prefill as golden_prefill
 from mlacheck.golden.core import Operand, Result, attend
 from mlacheck.golden.sparse import sparse_attention
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
-from mlacheck.localise import request_bounds
 from mlacheck.spec import Case, PrefillCase, SparseDecodeCase
 from mlacheck.verdict import Verdict, ranges
 
@@ -94,9 +93,9 @@ def alternatives(case: Case, inputs: Inputs) -> list[Alternative]:
     """The alternative semantics this case can tell from its own (each differs from it)."""
     out: list[Alternative] = []
     dims, scale = case.dims, case.softmax_scale
-    units = request_bounds(inputs)
+    units = inputs.row_bounds
     q_lens = [units[u + 1] - units[u] for u in range(len(units) - 1)]
-    kv_lens = boundaries.kv_lengths(case)
+    kv_lens = case.kv_lengths
     dense = not isinstance(case, SparseDecodeCase)
     if dense and getattr(case, "causal", True) and any(
             0 < q < kv for q, kv in zip(q_lens, kv_lens, strict=True)):
@@ -203,7 +202,7 @@ def name_the_semantics(v: Verdict, case: Case, inputs: Inputs, out: torch.Tensor
                 f"no alternative semantics matches the output (tried: {', '.join(tried)})")
         return
     alt = found.alternative
-    unit = "segment" if isinstance(case, PrefillCase) else "request"
+    unit = case.unit_name
     # what the row pattern said stays when it adds to the cause (the units and what they
     # share, the KV positions); "a global cause" and the LSE ratio are what this replaces
     before = {"all": "", "lse": "the outputs are right"}.get(str(axis), v.diagnosis)
@@ -216,7 +215,7 @@ def name_the_semantics(v: Verdict, case: Case, inputs: Inputs, out: torch.Tensor
 
 def _global(inputs: Inputs, failing: torch.Tensor) -> bool:
     """Every live unit has failing rows, or some unit fails in every row."""
-    cuts = request_bounds(inputs)
+    cuts = inputs.row_bounds
     live = [failing[cuts[u] : cuts[u + 1]] for u in range(len(cuts) - 1) if cuts[u + 1] > cuts[u]]
     return bool(live) and (all(bool(b.any()) for b in live) or any(bool(b.all()) for b in live))
 
@@ -224,10 +223,10 @@ def _global(inputs: Inputs, failing: torch.Tensor) -> bool:
 def _probed(case: Case, inputs: Inputs, failing: torch.Tensor) -> list[int]:
     """The cheapest failing units and the cheapest passing one, each small enough; all units
     of a sparse case (its golden runs on the whole batch)."""
-    cuts = request_bounds(inputs)
+    cuts = inputs.row_bounds
     n = len(cuts) - 1
     heads = failing.shape[1]
-    kv = boundaries.kv_lengths(case)
+    kv = case.kv_lengths
     cost = {u: (cuts[u + 1] - cuts[u]) * kv[u] * heads for u in range(n) if cuts[u + 1] > cuts[u]}
     if isinstance(case, SparseDecodeCase):
         topk = case.topk * int(cuts[-1]) * heads
@@ -242,7 +241,7 @@ def _residual(alt: Alternative, v: Verdict, case: Case, inputs: Inputs, out: tor
               lse: torch.Tensor | None, gold: Result, units: list[int]) -> float | None:
     """The worst probed row's distance to the alternative, in units of the bound (None: the
     alternative does not explain some probed unit at all, e.g. NaN where it has none)."""
-    cuts = request_bounds(inputs)
+    cuts = inputs.row_bounds
     if alt.lse_base2:
         check = next((c for c in v.checks if c.name == "lse"), None)
         if lse is None or check is None or not check.bound:
@@ -303,7 +302,7 @@ def _references(alt: Alternative, case: Case, inputs: Inputs,
             found[u] = attend(q, k, v, scale, case.causal, cap, dtype=torch.float32).out
         return found
     assert isinstance(inputs, DecodeInputs)
-    cuts = request_bounds(inputs)
+    cuts = inputs.row_bounds
     q_all = Term(golden_decode.query_operand(inputs, "exact"), case.quant.q,
                  golden_decode.query_operand(inputs, "ideal"))
     rank = case.dims.kv_lora_rank

@@ -15,7 +15,6 @@ run measured (timings, device memory) lies beside it (mlacheck.harness.CaseResul
 from __future__ import annotations
 
 import json
-import math
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
