@@ -2,17 +2,16 @@
 the cases, inputs, pools and references below it, never on what runs, judges or reads it.
 
 Arrows are read from the source (ast), lazy imports inside functions included: they are
-dependencies all the same. benchmarks/structure.py draws the whole graph.
+dependencies all the same. The scanner is benchmarks/structure.py's, which draws the whole
+graph.
 """
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-PACKAGE = ROOT / "mlacheck"
-VENDORED = "mlacheck/backends/aiter_model/jit"  # AITER's own code, reproduced as is
 
 # What runs, judges, decides or reads backends: above them, whatever it imports itself.
 UPPER = ("mlacheck.harness", "mlacheck.judge", "mlacheck.localise", "mlacheck.probes",
@@ -23,40 +22,20 @@ UPPER = ("mlacheck.harness", "mlacheck.judge", "mlacheck.localise", "mlacheck.pr
          "mlacheck.tools", "mlacheck.gate", "mlacheck.e2e", "mlacheck.suite")
 
 
-def _modules() -> dict[str, Path]:
-    out = {}
-    for p in sorted(PACKAGE.rglob("*.py")):
-        rel = p.relative_to(ROOT).as_posix()
-        if not rel.startswith(VENDORED):
-            out[rel[:-3].replace("/", ".").removesuffix(".__init__")] = p
-    return out
+def _structure():  # noqa: ANN202 - benchmarks/structure.py, the one import scanner
+    spec = importlib.util.spec_from_file_location("structure", ROOT / "benchmarks" / "structure.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _imports(name: str, path: Path, known: set[str]) -> set[str]:
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(parts + ([base] if base else []))
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
-                       for a in node.names]
-        else:
-            continue
-        for t in targets:
-            while t and t not in known:
-                t = t.rpartition(".")[0]
-            if t and t != name:
-                found.add(t)
-    return found
+STRUCTURE = _structure()
+_imports = STRUCTURE.imports
 
 
 def _graph() -> dict[str, set[str]]:
-    mods = _modules()
+    mods = STRUCTURE.modules(ROOT)
     return {m: _imports(m, p, set(mods)) for m, p in mods.items()}
 
 
