@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from mlacheck.backends.base import Backend
-from mlacheck.spec import DEEPSEEK_V3, FORMATS, MLADims, Placement, Quant
+from mlacheck.spec import DEEPSEEK_V3, FORMATS, MLADims, Op, Placement, Quant
 
 
 def _attention_args(ap: argparse.ArgumentParser) -> None:
@@ -106,7 +106,7 @@ def _fault_prefill(backend: Backend) -> Backend | None:
     from mlacheck.backends.faults import PREFIX
     from mlacheck.backends.registry import resolve
 
-    if not backend.name.startswith(PREFIX) or "mla_prefill" in backend.capabilities():
+    if not backend.name.startswith(PREFIX) or Op.PREFILL in backend.capabilities():
         return None
     print(f"note: {backend.name} plants its fault in decode only; prefill runs on torch "
           "(--prefill-backend to choose another)", file=sys.stderr)

@@ -29,9 +29,9 @@ from mlacheck.backends.numerics import flash_attend
 from mlacheck.backends.torch_ref import TorchBackend, split_factory
 from mlacheck.inputs import DecodeInputs, Inputs
 from mlacheck.kvcache import PageTable
-from mlacheck.spec import OPS, Case, Quant
+from mlacheck.spec import OPS, Case, Op, Quant
 
-DECODE = ("mla_decode",)
+DECODE = (Op.DECODE,)
 # AITER's and FlashMLA's decode default: 1/sqrt(DeepSeek's latent width 576)
 LATENT_WIDTH_SCALE = 1 / math.sqrt(576)
 # the kernel-level default tile of the catalogue's tile-bound fault (never reached by the
@@ -113,7 +113,7 @@ class WrongDecodeScale(TorchBackend):
     instead of the case's (the model's); prefill untouched."""
 
     def softmax_scale(self, case: Case) -> float:
-        return LATENT_WIDTH_SCALE if case.op == "mla_decode" else case.softmax_scale
+        return LATENT_WIDTH_SCALE if case.op == Op.DECODE else case.softmax_scale
 
 
 class DecodeOnlyTileDrop(TileMultipleDropsLast):
@@ -197,8 +197,8 @@ def planted(d: Dose, inner: Backend, page_size: int) -> tuple[Backend, Backend]:
     the fault does not act on stays with `inner`."""
     faulted = d.build(inner, page_size)
     caps = faulted.capabilities()
-    return (faulted if "mla_decode" in caps else inner,
-            faulted if "mla_prefill" in caps else inner)
+    return (faulted if Op.DECODE in caps else inner,
+            faulted if Op.PREFILL in caps else inner)
 
 
 def dose(name: str) -> Dose:

@@ -44,7 +44,7 @@ from mlacheck.inputs import (
     unabsorb_out,
 )
 from mlacheck.kvcache import KVPool, PageTable
-from mlacheck.spec import Case, DecodeCase, Placement, PrefillCase, Quant, Request, Segment
+from mlacheck.spec import Case, DecodeCase, Op, Placement, PrefillCase, Quant, Request, Segment
 
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_PLACEMENT = Placement(kind="shuffled", spare_pages=8)
@@ -187,8 +187,8 @@ class MLARunner:
             if why:
                 raise E2EError(f"backend {be.name} unavailable: {why}")
         # before the model loads and the first question runs, not mid-run
-        for be, op, flag in ((self.backend, "mla_decode", "--backend"),
-                             (self.prefill_backend, "mla_prefill", "--prefill-backend")):
+        for be, op, flag in ((self.backend, Op.DECODE, "--backend"),
+                             (self.prefill_backend, Op.PREFILL, "--prefill-backend")):
             if op not in be.capabilities():
                 raise E2EError(f"backend {be.name} does not provide {op}, which the model's "
                                f"attention needs; choose one that does with {flag}")

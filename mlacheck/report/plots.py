@@ -19,6 +19,7 @@ import zlib
 from collections.abc import Sequence
 from html import escape
 
+from mlacheck.ops import unit_of
 from mlacheck.report.summary import KNOWN, STATUSES, Failure, Summary, ratio
 from mlacheck.verdict import CRASH, FAIL, PASS, SKIP, noteworthy
 
@@ -171,7 +172,7 @@ def error_heatmap(failure: Failure) -> str | None:
              f'href="data:image/png;base64,{base64.b64encode(png).decode("ascii")}"/>',
              f'<rect x="{left}" y="{top}" width="{pw:.1f}" height="{ph:.1f}" fill="none" '
              'stroke="#888"/>']
-    unit = "segment" if v.op in ("mla_prefill", "paged_prefill") else "request"
+    unit = unit_of(v.op)
     for w in v.where[:MAX_BOXES]:
         if not w.heads:
             continue
