@@ -37,6 +37,15 @@ BUG_CLASSES: dict[int, str] = {
     11: "page size > 1 on a path only ever tested with page size 1",
     12: "missing or wrong head padding / unpadding of the output; stray attributes on rarely "
         "taken paths (crash on first call)",
+    # The DeepSeek-V3.2 sparse path before the attention: a wrong indexer or top-k does not
+    # crash, it silently attends to the wrong tokens.
+    13: "sparse indexer logits wrong: a per-token key scale ignored or read from the "
+        "neighbouring token, the q scale folded into the weights twice, ReLU dropped, the "
+        "causal window end off by one, page tails read past the context length",
+    14: "top-k selection wrong: masked positions chosen for rows that see fewer than k, "
+        "prefill positions not made relative to the row's window start",
+    15: "top-k positions turned into KV slots wrongly: -1 padding converted to a slot or read "
+        "as slot 0, a slot base that assumes contiguous pages, the conversion skipped",
 }
 
 

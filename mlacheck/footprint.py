@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from mlacheck import kvcache
 from mlacheck.golden.core import SCORE_BLOCK_BYTES
-from mlacheck.spec import FORMAT_BYTES, Case, PrefillCase
+from mlacheck.spec import FORMAT_BYTES, PIPELINE_OPS, Case, PrefillCase
 
 FP32 = 4
 # The count below misses temporaries (casts, gathers, the backends' own copies). Measured
@@ -52,6 +53,8 @@ def gib(n: float) -> str:
 
 
 def estimate(case: Case) -> Footprint:
+    if case.op in PIPELINE_OPS:
+        return _PIPELINE_ESTIMATES[case.op](case)
     d, h = case.dims, case.num_heads
     qb, kb = FORMAT_BYTES[case.quant.q], FORMAT_BYTES[case.quant.kv]
     out_b = 2 if case.quant.q != "fp32" else FP32
@@ -76,6 +79,68 @@ def estimate(case: Case) -> Footprint:
         refs = 2 * longest * d.latent * FP32
     refs += min(SCORE_BLOCK_BYTES, rows * longest * FP32)
     return Footprint(inputs, pools, refs)
+
+
+# --------------------------------------------------------------------------- sparse pipeline
+# The same count for the sparse-pipeline ops (mlacheck.pipeline_inputs, golden.pipeline_ops):
+# inputs (unquantised originals and stored copies), the guarded output, the references
+# (golden values + magnitudes or the golden attention, and the baseline's copy of the output)
+# and the largest score block a reference or the torch backend forms at once.
+
+
+def _indexer_query(rows: int, h: int, dim: int) -> int:
+    return rows * h * dim * (FP32 + 1) + 3 * rows * h * FP32  # q (fp32, fp8), scale, weights
+
+
+def _indexer(case: Any) -> Footprint:
+    t, s = case.total_q, case.total_kv
+    inputs = _indexer_query(t, case.num_heads, case.head_dim) + s * case.head_dim * (FP32 + 1)
+    out = t * s * FP32
+    return Footprint(inputs + out, 0, 3 * out + min(SCORE_BLOCK_BYTES, t * case.num_heads * s * FP32))
+
+
+def _paged_indexer(case: Any) -> Footprint:
+    from mlacheck import indexer_cache
+
+    rows, width = case.total_q, max(case.kv_lengths)
+    page_bytes = indexer_cache.page_bytes(case.page_size, case.head_dim)
+    pool = kvcache.pool_page_count(list(case.kv_lengths), case.page_size, page_bytes,
+                                   case.placement) * page_bytes
+    inputs = (_indexer_query(rows, case.num_heads, case.head_dim)
+              + case.total_kv * case.head_dim * (FP32 + 1) + rows * width * FP32)
+    block = min(SCORE_BLOCK_BYTES, case.next_n * case.num_heads * width * FP32)
+    return Footprint(inputs, pool, 3 * rows * width * FP32 + block)
+
+
+def _topk(case: Any) -> Footprint:
+    width = case.total_kv if case.form == "prefill" else max(case.kv_lengths)
+    logits = case.total_q * width * FP32
+    return Footprint(logits + case.total_q * case.topk * FP32, 0, 4 * logits)
+
+
+def _conversion(case: Any) -> Footprint:
+    return Footprint(4 * case.total_q * case.topk * FP32, 0, 4 * case.total_q * case.topk * FP32)
+
+
+def _sparse_prefill(case: Any) -> Footprint:
+    d, h, t = case.dims, case.num_heads, case.total_q
+    qb = FORMAT_BYTES[case.quant.q]
+    out = t * h * d.kv_lora_rank
+    inputs = t * h * d.latent * (FP32 + qb) + case.total_kv * d.latent * (FP32 + qb) + out * 2
+    refs = 3 * out * FP32 + min(SCORE_BLOCK_BYTES, t * case.topk * d.latent * FP32)
+    return Footprint(inputs, 0, refs)
+
+
+def _pipeline(case: Any) -> Footprint:
+    att, idx = estimate(case.attention_case()), estimate(case.indexer_case())
+    gathered = min(SCORE_BLOCK_BYTES, case.total_q * case.topk * case.dims.latent * FP32)
+    return Footprint(att.inputs + idx.inputs, att.pools + idx.pools,
+                     att.references + idx.references + gathered)
+
+
+_PIPELINE_ESTIMATES = {"mqa_logits": _indexer, "paged_mqa_logits": _paged_indexer,
+                       "topk_indices": _topk, "index_conversion": _conversion,
+                       "mla_sparse_prefill": _sparse_prefill, "sparse_pipeline": _pipeline}
 
 
 def available_bytes(device: str) -> int | None:

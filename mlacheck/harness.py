@@ -281,7 +281,7 @@ def _baseline(case: Case, inp: inputs_mod.Inputs) -> Output:
     its own copy of the output buffer."""
     saved = inp.out.full.clone()
     res = BASELINE.run(case, inp)
-    res = Output(res.out.clone(), res.lse)
+    res = Output(res.out.clone(), res.lse, extra=dict(res.extra))
     inp.out.full.copy_(saved)
     return res
 

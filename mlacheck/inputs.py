@@ -15,7 +15,16 @@ import torch
 
 from mlacheck import fp8, kvcache, rng
 from mlacheck.kvcache import Guarded, KVPool, PageTable
-from mlacheck.spec import Case, DecodeCase, MLADims, Op, PrefillCase, Quant, SparseDecodeCase
+from mlacheck.spec import (
+    PIPELINE_OPS,
+    Case,
+    DecodeCase,
+    MLADims,
+    Op,
+    PrefillCase,
+    Quant,
+    SparseDecodeCase,
+)
 
 # Realistic magnitudes: post-norm activations are O(1). With unit-variance q and k, a
 # 192-dim dot product times the V3 scale 0.135 has std ~1.9: a peaked but not one-hot softmax.
@@ -182,6 +191,10 @@ def cu_seqlens(lengths: list[int]) -> torch.Tensor:
 
 def build(case: Case, device: torch.device | str = "cpu") -> Inputs:
     """The tensors of a case (each op's builder: a new op adds its own, mlacheck/ops.py)."""
+    if case.op in PIPELINE_OPS:  # the DeepSeek-V3.2 sparse-pipeline ops: their own tensors
+        from mlacheck import pipeline_inputs
+
+        return pipeline_inputs.BUILDERS[case.op](case, device)  # type: ignore[return-value]
     build_op = {Op.PREFILL: _build_prefill, Op.PAGED_PREFILL: _build_prefill,
                 Op.DECODE: _build_decode, Op.SPARSE_DECODE: _build_decode}[case.op]
     return build_op(case, device)  # type: ignore[operator]
@@ -276,7 +289,8 @@ def fingerprint(inp: Inputs) -> list[int]:
                 walk(i)
         elif dataclasses.is_dataclass(x) and not isinstance(x, type):
             for f in dataclasses.fields(x):
-                walk(getattr(x, f.name))
+                if f.name not in ("out", "case"):  # a nested stage's output buffer is output
+                    walk(getattr(x, f.name))
 
     for f in dataclasses.fields(inp):
         if f.name not in ("out", "case"):

@@ -30,7 +30,7 @@ from mlacheck.inputs import Inputs, PrefillInputs
 from mlacheck.kvcache import byte_region
 from mlacheck.localise import diagnose, localise, shared_properties, units_phrase
 from mlacheck.probes import Probes, Rerun
-from mlacheck.spec import Case
+from mlacheck.spec import PIPELINE_OPS, Case
 from mlacheck.verdict import CRASH, ERROR, FAIL, PASS, SKIP, Check, Verdict, Where, ranges
 
 # --------------------------------------------------------------------------- metrics
@@ -119,7 +119,13 @@ def verdict(
     `implementation`: what ran (versions), completed with what the backend reported.
     `rerun`: the kernel on other inputs, for the probes of a FAIL (none: no probes)."""
     v = _new(case, backend, PASS, implementation_record(implementation or {}, output.metadata))
-    failing = _judge_numerics(v, case, inputs, output, gold, baseline, ideal)
+    failing = None
+    if case.op in PIPELINE_OPS:  # logits, selections, slots: judged by their own rules
+        from mlacheck import pipeline_judge
+
+        pipeline_judge.judge(v, case, inputs, output, gold, baseline, ideal)
+    else:
+        failing = _judge_numerics(v, case, inputs, output, gold, baseline, ideal)
     problems = output.metadata.get("validation")
     if problems:  # the backend's own schedule (e.g. AITER persistent metadata) is wrong
         v.checks.append(Check("metadata", False, detail="; ".join(problems)))
@@ -441,7 +447,12 @@ def input_overflow(inputs: Inputs) -> int:
     """Input elements whose magnitude exceeded the stored format's max (saturated or NaN)."""
     from mlacheck import fp8
 
-    qs = [inputs.q, inputs.k, inputs.v] if isinstance(inputs, PrefillInputs) else [inputs.q, *inputs.kv]
+    if isinstance(inputs, PrefillInputs):
+        qs = [inputs.q, inputs.k, inputs.v]
+    elif isinstance(inputs.kv, list):
+        qs = [inputs.q, *inputs.kv]
+    else:  # sparse prefill: one flat latent KV
+        qs = [inputs.q, inputs.kv]
     n = 0
     for t in qs:
         f = fp8.fmt(t.fmt)

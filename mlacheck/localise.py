@@ -33,7 +33,7 @@ from mlacheck import boundaries
 from mlacheck.golden.core import Operand, attend, per_tensor
 from mlacheck.inputs import DecodeInputs, Inputs
 from mlacheck.kvcache import byte_region
-from mlacheck.spec import Case, SparseDecodeCase
+from mlacheck.spec import Case, SparseDecodeCase, SparsePrefillCase
 from mlacheck.verdict import Where, ranges
 
 # Failing requests whose kv the KV-attribution test re-runs (the worst first).
@@ -229,7 +229,7 @@ def _kv_attribution(case: Case, inputs: Inputs, bad: list[int], good: list[int],
     finite sentinel), or on a prefix (dropped positions). A tail read is not claimed when a
     passing request's poisoned tail shows the kernel does not read tails (the cause is then
     elsewhere: the pages, the pool region). '' when no probed request is explained."""
-    if isinstance(case, SparseDecodeCase) or not bad:
+    if isinstance(case, SparseDecodeCase | SparsePrefillCase) or not bad:
         return ""
     cuts = inputs.row_bounds
 

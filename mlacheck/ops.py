@@ -4,7 +4,7 @@
 `--require-ops` and the capability tables keep the strings they always had; code names a
 member, never a literal. Per-op facts live here too (`unit`: what a failure location names).
 
-What a new op touches (issue 29's indexer logits, top-k, sparse prefill will):
+What a new op touches (as issue 29's indexer logits, top-k and sparse prefill did):
 1. here: a member (its string is what results, matrices and `--require-ops` say), and its
    `unit` in `_UNITS`;
 2. mlacheck/spec.py: its case type (a frozen dataclass with `kind`, `op`, `slug` and the shared
@@ -32,6 +32,14 @@ class Op(str, Enum):
     DECODE = "mla_decode"  # absorbed-MQA decode over a paged latent pool
     SPARSE_DECODE = "mla_sparse_decode"  # DeepSeek-V3.2: each query token's own top-k kv
     PAGED_PREFILL = "paged_prefill"  # prefill reading K/V from pages (CK batch prefill)
+    # The DeepSeek-V3.2 sparse path (docs/sparse-pipeline.md): indexer logits in both forms,
+    # top-k, local positions -> global slots, sparse prefill, the decode path composed.
+    MQA_LOGITS = "mqa_logits"  # indexer logits, prefill form (fp8_mqa_logits)
+    PAGED_MQA_LOGITS = "paged_mqa_logits"  # indexer logits, decode form over a paged key cache
+    TOPK = "topk_indices"  # top-k of each row's logits, request-local, -1 padded
+    INDEX_CONVERSION = "index_conversion"  # request-local positions -> global KV slots
+    SPARSE_PREFILL = "mla_sparse_prefill"  # sparse MLA over a flat latent KV (flash_mla_sparse_fwd)
+    SPARSE_PIPELINE = "sparse_pipeline"  # logits -> top-k -> slots -> sparse decode
 
     # print / format / JSON as the plain string (Python 3.10 and 3.12 agree)
     __str__ = str.__str__
@@ -44,7 +52,9 @@ class Op(str, Enum):
 
 
 _UNITS = {Op.PREFILL: "segment", Op.PAGED_PREFILL: "segment", Op.DECODE: "request",
-          Op.SPARSE_DECODE: "request"}
+          Op.SPARSE_DECODE: "request", Op.MQA_LOGITS: "segment",
+          Op.PAGED_MQA_LOGITS: "request", Op.TOPK: "request", Op.INDEX_CONVERSION: "request",
+          Op.SPARSE_PREFILL: "segment", Op.SPARSE_PIPELINE: "request"}
 
 OPS: tuple[Op, ...] = tuple(Op)
 

@@ -534,8 +534,388 @@ class SparseDecodeCase(_Requests, _CaseBase):
         return "-".join(p for p in parts if p)
 
 
-Case = PrefillCase | DecodeCase | SparseDecodeCase
-CASE_TYPES: dict[str, type] = {c.kind: c for c in (PrefillCase, DecodeCase, SparseDecodeCase)}
+# --------------------------------------------------------------------------- sparse pipeline
+# DeepSeek-V3.2's sparse attention path, stage by stage, each stage an op of its own: the
+# lightning indexer's logits (prefill form over keys laid end to end, decode form over a
+# paged FP8 key cache), the top-k over them, request-local positions -> global KV slots,
+# sparse MLA prefill, and the whole path composed (logits -> top-k -> slots -> sparse decode).
+# In every stage token j of a unit (segment / request) with q_len q and kv_len n sees the
+# bottom-right causal prefix of n - q + j + 1 positions of its own unit.
+
+INDEX_HEAD_DIM = 128  # DeepSeek-V3.2 index_head_dim
+INDEX_HEADS = 64  # DeepSeek-V3.2 index_n_heads
+# The indexer's inputs: FP8 q with one scale per (token, head) (folded into the weights the
+# kernels receive), FP8 keys with one FP32 scale per token (vLLM's indexer_k_quant_and_cache).
+INDEXER_QUANT = Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax", per_token=True)
+# What the stages without attention inputs declare (their inputs are FP32 logits or indices).
+FP32_VALUES = Quant("fp32", "fp32")
+UNPAGED = Placement()  # the placement of a case with no paged pool (read by generic code only)
+
+TopkForm = Literal["decode", "prefill"]
+LogitsProfile = Literal["distinct", "ties"]
+IndexLayout = Literal["row_major", "ragged"]
+
+
+class _RowWindows:
+    """What the pipeline cases add to the shared facts: each query token's causal window."""
+
+    @property
+    def visible_lengths(self) -> tuple[int, ...]:
+        """Per query token (in order), how many positions of its unit it sees."""
+        return tuple(u.kv_len - u.q_len + j + 1 for u in self.units  # type: ignore[attr-defined]
+                     for j in range(u.q_len))
+
+
+def _check_units(units: tuple[Segment, ...] | tuple[Request, ...], what: str) -> None:
+    if not units:
+        raise ValueError(f"a {what} case needs at least one {'segment' if what == 'prefill' else 'request'}")
+    for u in units:
+        if u.q_len < 0 or u.kv_len < u.q_len or (isinstance(u, Segment) and u.context_len < 0):
+            raise ValueError(f"bad {type(u).__name__.lower()} {u}: need 0 <= q_len <= kv_len")
+    if sum(u.q_len for u in units) < 1:
+        raise ValueError(f"a {what} case needs at least one query token")
+
+
+def _check_next_n(requests: tuple[Request, ...]) -> None:
+    """Decode-form indexer kernels take q as [batch, next_n]: one q_len >= 1 for all."""
+    if len({r.q_len for r in requests}) != 1 or requests[0].q_len < 1:
+        raise ValueError("every request needs the same q_len >= 1 (next_n: 1, or 2+ for MTP)")
+
+
+def _check_indexer(num_heads: int, head_dim: int, quant: Quant, seed: int) -> None:
+    _check_common(num_heads, seed)
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"head_dim must be an integer >= 1, got {head_dim!r}")
+    _check_index_format(quant.q)
+    if quant.kv != quant.q or quant.scale != "amax" or not quant.per_token:
+        raise ValueError("indexer inputs are one FP8 format for q and keys with amax scales per "
+                         f"token (q per token and head): {INDEXER_QUANT}, not {quant}")
+
+
+def _check_index_format(fmt_name: str) -> None:
+    if fmt_name not in ("fp8_e4m3fn", "fp8_e4m3fnuz"):
+        raise ValueError(f"indexer q / keys are fp8_e4m3fn or fp8_e4m3fnuz, not {fmt_name!r}")
+
+
+def _check_topk(topk: int, valid_cap: int | None = None) -> None:
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk must be an integer >= 1, got {topk!r}")
+    if valid_cap is not None and not 0 <= valid_cap <= topk:
+        raise ValueError("valid_cap must be in [0, topk]")
+
+
+def _lengths_slug(lengths: tuple[int, ...], tag: str) -> str:
+    return f"{tag}{lengths[0]}" if min(lengths) == max(lengths) else f"{tag}{min(lengths)}-{max(lengths)}"
+
+
+@dataclass(frozen=True)
+class IndexerCase(_RowWindows, _CaseBase):
+    """The lightning indexer's logits, prefill form (`mqa_logits`: DeepGEMM / AITER
+    `fp8_mqa_logits`): the segments' keys (each segment's context, then its own tokens) laid
+    end to end in one FP8 key tensor [S, head_dim] with per-token FP32 scales; query token
+    j of a segment sees its segment's first context_len + j + 1 keys (the window [ks, ke)),
+    every other column of its logits row is -inf.
+
+        logits[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s] * k_scale[s])
+
+    q is FP8 with one scale per (token, head), folded into the weights w the kernel receives
+    (w = raw weight * q_scale * head_dim^-1/2 * heads^-1/2, as vLLM does)."""
+
+    kind: ClassVar[str] = "indexer"
+    op: ClassVar[Op] = Op.MQA_LOGITS
+    segments: tuple[Segment, ...] = (Segment(64, 64),)
+    num_heads: int = INDEX_HEADS
+    head_dim: int = INDEX_HEAD_DIM
+    quant: Quant = INDEXER_QUANT
+    seed: int = 0
+    placement: ClassVar[Placement] = UNPAGED
+    paging: ClassVar[Paging | None] = None  # no paged pool
+
+    def __post_init__(self) -> None:
+        _check_indexer(self.num_heads, self.head_dim, self.quant, self.seed)
+        _check_units(self.segments, "prefill")
+
+    @property
+    def units(self) -> tuple[Segment, ...]:
+        return self.segments
+
+    @property
+    def slug(self) -> str:
+        ctx = sum(s.context_len for s in self.segments)
+        parts = ["idx", f"s{len(self.segments)}", f"q{self.total_q}", f"ctx{ctx}" if ctx else "",
+                 f"empty{sum(s.q_len == 0 for s in self.segments)}" if self.has_empty else "",
+                 f"h{self.num_heads}", f"d{self.head_dim}", self.quant.q.replace("fp8_", "")]
+        return "-".join(p for p in parts if p)
+
+
+@dataclass(frozen=True)
+class PagedIndexerCase(_RowWindows, _CaseBase):
+    """The lightning indexer's logits, decode form (`paged_mqa_logits`: DeepGEMM
+    `fp8_paged_mqa_logits`, AITER `deepgemm_fp8_paged_mqa_logits`): every request has the same
+    q_len (next_n: 1, or 2+ for MTP); its keys live in a paged FP8 key cache in the kernels'
+    layout (a page: page_size x head_dim FP8 values, then page_size FP32 scales;
+    mlacheck.indexer_cache), reached through the request's block table. Token j of a request
+    of kv_len n sees its first n - next_n + j + 1 positions; logits rows are request-local
+    [batch * next_n, max kv_len], -inf outside."""
+
+    kind: ClassVar[str] = "indexer_paged"
+    op: ClassVar[Op] = Op.PAGED_MQA_LOGITS
+    requests: tuple[Request, ...] = (Request(1, 300),)
+    num_heads: int = INDEX_HEADS
+    head_dim: int = INDEX_HEAD_DIM
+    page_size: int = 64
+    quant: Quant = INDEXER_QUANT
+    placement: Placement = Placement()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_indexer(self.num_heads, self.head_dim, self.quant, self.seed)
+        _check_page_size(self.page_size)
+        _check_units(self.requests, "decode")
+        _check_next_n(self.requests)
+
+    @property
+    def units(self) -> tuple[Request, ...]:
+        return self.requests
+
+    @property
+    def next_n(self) -> int:
+        return self.requests[0].q_len
+
+    @property
+    def paging(self) -> Paging:
+        return Paging(self.page_size)
+
+    @property
+    def slug(self) -> str:
+        parts = ["pidx", f"b{len(self.requests)}", f"n{self.next_n}" if self.next_n > 1 else "",
+                 _lengths_slug(self.kv_lengths, "kv"), f"h{self.num_heads}", f"d{self.head_dim}",
+                 f"p{self.page_size}", self.quant.q.replace("fp8_", ""), self.placement.slug]
+        return "-".join(p for p in parts if p)
+
+
+@dataclass(frozen=True)
+class TopkCase(_RowWindows, _CaseBase):
+    """Top-k over indexer logits (`topk_indices`): per query row, the positions of the `topk`
+    largest FP32 logits among those it sees, request-local (0 = its unit's first key), -1
+    padded when it sees fewer. Rows as the indexer cases lay them out: `decode` hands the
+    kernel request-local rows [tokens, max kv_len] with each row's length; `prefill` hands the
+    batch-wide rows [tokens, sum kv_len] with each row's window [ks, ke) (the kernel returns
+    positions relative to ks). `ties`: logits on a coarse grid, so many rows have exact ties
+    at the k-th value (any choice among tied positions is correct)."""
+
+    kind: ClassVar[str] = "topk"
+    op: ClassVar[Op] = Op.TOPK
+    requests: tuple[Request, ...] = (Request(1, 3000),)
+    topk: int = 2048
+    form: TopkForm = "decode"
+    logits: LogitsProfile = "distinct"
+    seed: int = 0
+    num_heads: ClassVar[int] = 1
+    quant: ClassVar[Quant] = FP32_VALUES
+    placement: ClassVar[Placement] = UNPAGED
+    paging: ClassVar[Paging | None] = None  # no paged pool
+
+    def __post_init__(self) -> None:
+        _check_common(1, self.seed)
+        _check_units(self.requests, "decode")
+        _check_topk(self.topk)
+        if self.form not in ("decode", "prefill"):
+            raise ValueError(f"form must be decode or prefill, not {self.form!r}")
+        if self.logits not in ("distinct", "ties"):
+            raise ValueError(f"logits must be distinct or ties, not {self.logits!r}")
+
+    @property
+    def units(self) -> tuple[Request, ...]:
+        return self.requests
+
+    @property
+    def slug(self) -> str:
+        parts = ["topk", f"b{len(self.requests)}", f"q{self.total_q}",
+                 _lengths_slug(self.kv_lengths, "kv"),
+                 f"empty{sum(r.q_len == 0 for r in self.requests)}" if self.has_empty else "",
+                 f"k{self.topk}", self.form, "ties" if self.logits == "ties" else ""]
+        return "-".join(p for p in parts if p)
+
+
+@dataclass(frozen=True)
+class IndexConversionCase(_RowWindows, _CaseBase):
+    """Request-local top-k positions -> global KV slots (`index_conversion`): per query token
+    its request-local positions (-1 padded to topk, as top-k returns them; at most
+    `valid_cap` valid ones when set) go through its request's block table to
+    `page * page_size + offset` of the paged pool, -1 kept. `index_layout`: the buffer the
+    sparse attention reads: row_major [tokens, topk] (-1 padded) or ragged (each token's
+    valid slots back to back, with a [tokens + 1] indptr)."""
+
+    kind: ClassVar[str] = "index_conversion"
+    op: ClassVar[Op] = Op.INDEX_CONVERSION
+    requests: tuple[Request, ...] = (Request(1, 300),)
+    topk: int = 2048
+    valid_cap: int | None = None
+    page_size: int = 64
+    index_layout: IndexLayout = "row_major"
+    placement: Placement = Placement()
+    seed: int = 0
+    num_heads: ClassVar[int] = 1
+    quant: ClassVar[Quant] = FP32_VALUES
+
+    def __post_init__(self) -> None:
+        _check_common(1, self.seed)
+        _check_page_size(self.page_size)
+        _check_units(self.requests, "decode")
+        _check_topk(self.topk, self.valid_cap)
+        if self.index_layout not in ("row_major", "ragged"):
+            raise ValueError(f"index_layout must be row_major or ragged, not {self.index_layout!r}")
+
+    @property
+    def units(self) -> tuple[Request, ...]:
+        return self.requests
+
+    @property
+    def paging(self) -> Paging:
+        return Paging(self.page_size)
+
+    @property
+    def slug(self) -> str:
+        parts = ["conv", f"b{len(self.requests)}", f"q{self.total_q}",
+                 _lengths_slug(self.kv_lengths, "kv"),
+                 f"empty{sum(r.q_len == 0 for r in self.requests)}" if self.has_empty else "",
+                 f"top{self.topk}", f"cap{self.valid_cap}" if self.valid_cap is not None else "",
+                 f"p{self.page_size}", self.index_layout.replace("_", ""), self.placement.slug]
+        return "-".join(p for p in parts if p)
+
+
+@dataclass(frozen=True)
+class SparsePrefillCase(_RowWindows, _CaseBase):
+    """Sparse MLA prefill (`mla_sparse_prefill`: FlashMLA `flash_mla_sparse_fwd`): absorbed q
+    [T, H, 576], one flat latent KV [N, 1, 576] (the segments' latents laid end to end) and
+    per query token `topk` global row indices into it, -1 padded (its request's visible
+    positions, min(topk, visible, valid_cap) of them, in no order; `empty_rows` evenly spread
+    tokens get none: output 0, LSE -inf). Outputs: out [T, H, 512], natural-log LSE and the
+    max scaled score per row (max_logits)."""
+
+    kind: ClassVar[str] = "sparse_prefill"
+    op: ClassVar[Op] = Op.SPARSE_PREFILL
+    segments: tuple[Segment, ...] = (Segment(64, 192),)
+    topk: int = 128
+    valid_cap: int | None = None
+    empty_rows: int = 0
+    num_heads: int = 64
+    quant: Quant = Quant("bf16", "bf16")
+    profile: Profile = "realistic"
+    dims: MLADims = DEEPSEEK_V3
+    seed: int = 0
+    placement: ClassVar[Placement] = UNPAGED
+    paging: ClassVar[Paging | None] = None  # no paged pool
+    return_lse: ClassVar[bool] = True  # out, LSE and max logits (not a field: no id change)
+
+    def __post_init__(self) -> None:
+        _check_common(self.num_heads, self.seed)
+        _check_units(self.segments, "prefill")
+        _check_topk(self.topk, self.valid_cap)
+        if self.quant.q != self.quant.kv or self.quant.is_fp8:
+            raise ValueError("sparse prefill takes q and latent KV in one of bf16 / fp16 / fp32, "
+                             f"not {self.quant.q} / {self.quant.kv}")
+        if not 0 <= self.empty_rows <= self.total_q:
+            raise ValueError(f"empty_rows must be in [0, {self.total_q}] (the query tokens)")
+
+    @property
+    def units(self) -> tuple[Segment, ...]:
+        return self.segments
+
+    @property
+    def slug(self) -> str:
+        ctx = sum(s.context_len for s in self.segments)
+        parts = ["spf", f"s{len(self.segments)}", f"q{self.total_q}", f"ctx{ctx}" if ctx else "",
+                 f"top{self.topk}", f"cap{self.valid_cap}" if self.valid_cap is not None else "",
+                 f"lonely{self.empty_rows}" if self.empty_rows else "", f"h{self.num_heads}",
+                 self.quant.slug, "stress" if self.profile == "stress" else ""]
+        return "-".join(p for p in parts if p)
+
+
+@dataclass(frozen=True)
+class SparsePipelineCase(_RowWindows, _CaseBase):
+    """The DeepSeek-V3.2 decode path composed (`sparse_pipeline`): the paged indexer logits of
+    every query token (next_n per request), its top-k (request-local, -1 padded), those
+    positions as global slots of the paged latent pool, and sparse MLA decode over them. The
+    indexer-key cache and the latent pool share one page table (vLLM's block table), as in
+    serving. The verdict judges the selection tie-aware against the golden logits and the
+    attention against the golden attention on the implementation's own selection."""
+
+    kind: ClassVar[str] = "sparse_pipeline"
+    op: ClassVar[Op] = Op.SPARSE_PIPELINE
+    requests: tuple[Request, ...] = (Request(1, 300),)
+    topk: int = 2048
+    num_heads: int = 16
+    index_heads: int = INDEX_HEADS
+    page_size: int = 64
+    quant: Quant = Quant("bf16", "bf16")
+    index_fmt: str = "fp8_e4m3fn"
+    placement: Placement = Placement()
+    profile: Profile = "realistic"
+    dims: MLADims = DEEPSEEK_V3
+    seed: int = 0
+    index_head_dim: ClassVar[int] = INDEX_HEAD_DIM
+    layout: ClassVar[Layout] = layouts.LINEAR.name
+
+    def __post_init__(self) -> None:
+        _check_common(self.num_heads, self.seed)
+        _check_common(self.index_heads, self.seed)
+        _check_page_size(self.page_size)
+        _check_units(self.requests, "decode")
+        _check_next_n(self.requests)
+        _check_pool_quant(self.quant)
+        _check_topk(self.topk)
+        _check_index_format(self.index_fmt)
+
+    @property
+    def units(self) -> tuple[Request, ...]:
+        return self.requests
+
+    @property
+    def next_n(self) -> int:
+        return self.requests[0].q_len
+
+    @property
+    def paging(self) -> Paging:
+        return Paging(self.page_size)
+
+    def attention_case(self) -> SparseDecodeCase:
+        """The sparse decode stage as a case of its own (the same requests, pool and seed)."""
+        return SparseDecodeCase(requests=self.requests, topk=self.topk, num_heads=self.num_heads,
+                                page_size=self.page_size, quant=self.quant,
+                                placement=self.placement, profile=self.profile, dims=self.dims,
+                                seed=self.seed)
+
+    def indexer_case(self) -> PagedIndexerCase:
+        """The indexer stage as a case of its own (the same requests, pages and seed)."""
+        fmt = self.index_fmt
+        return PagedIndexerCase(requests=self.requests, num_heads=self.index_heads,
+                                head_dim=self.index_head_dim, page_size=self.page_size,
+                                quant=Quant(fmt, fmt, "amax", per_token=True),
+                                placement=self.placement, seed=self.seed)
+
+    @property
+    def slug(self) -> str:
+        parts = ["pipe", f"b{len(self.requests)}", f"n{self.next_n}" if self.next_n > 1 else "",
+                 _lengths_slug(self.kv_lengths, "kv"), f"top{self.topk}", f"h{self.num_heads}",
+                 f"ih{self.index_heads}", f"p{self.page_size}", self.quant.slug,
+                 self.index_fmt.replace("fp8_", "idx-"), self.placement.slug,
+                 "stress" if self.profile == "stress" else ""]
+        return "-".join(p for p in parts if p)
+
+
+# The pipeline ops (and the cases that carry them): what generic code asks to tell them
+# from the attention ops.
+PIPELINE_OPS: tuple[Op, ...] = (Op.MQA_LOGITS, Op.PAGED_MQA_LOGITS, Op.TOPK, Op.INDEX_CONVERSION,
+                                Op.SPARSE_PREFILL, Op.SPARSE_PIPELINE)
+
+
+Case = (PrefillCase | DecodeCase | SparseDecodeCase | IndexerCase | PagedIndexerCase | TopkCase
+        | IndexConversionCase | SparsePrefillCase | SparsePipelineCase)
+CASE_TYPES: dict[str, type] = {c.kind: c for c in (
+    PrefillCase, DecodeCase, SparseDecodeCase, IndexerCase, PagedIndexerCase, TopkCase,
+    IndexConversionCase, SparsePrefillCase, SparsePipelineCase)}
 
 MAX_PAGE_SIZE = 1024  # largest page size any supported library uses (CK batch prefill)
 
@@ -764,11 +1144,19 @@ __all__ = [
     "CASE_TYPES",
     "DEEPSEEK_V3",
     "FORMATS",
+    "INDEXER_QUANT",
     "NO_YARN",
     "OPS",
     "Op",
+    "PIPELINE_OPS",
     "Case",
     "DecodeCase",
+    "IndexConversionCase",
+    "IndexerCase",
+    "PagedIndexerCase",
+    "SparsePipelineCase",
+    "SparsePrefillCase",
+    "TopkCase",
     "MLADims",
     "Paging",
     "Placement",

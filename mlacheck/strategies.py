@@ -28,7 +28,10 @@ from mlacheck.spec import (
     NO_YARN,
     Case,
     DecodeCase,
+    IndexConversionCase,
+    IndexerCase,
     Op,
+    PagedIndexerCase,
     Paging,
     Placement,
     PrefillCase,
@@ -36,6 +39,9 @@ from mlacheck.spec import (
     Request,
     Segment,
     SparseDecodeCase,
+    SparsePipelineCase,
+    SparsePrefillCase,
+    TopkCase,
 )
 
 # 16 first: the head count every MLA kernel handles natively (no padding); then by size.
@@ -339,6 +345,169 @@ def sparse_cases(
                    page_sizes=page_sizes, placements=placements)
 
 
+# --------------------------------------------------------------------------- sparse pipeline
+# The DeepSeek-V3.2 sparse-pipeline cases. Indexer heads 16 first (V3.2 has 64: the same
+# code at a quarter of the cost), both FP8 formats; kv lengths around topk (rows that see
+# fewer positions than k, exactly k, more) first, as sparse_cases does.
+
+INDEX_HEAD_COUNTS: tuple[int, ...] = (16, 64, 32)
+INDEX_HEAD_DIMS: tuple[int, ...] = (128, 64)
+INDEX_FORMATS: tuple[str, ...] = ("fp8_e4m3fn", "fp8_e4m3fnuz")
+PIPELINE_TOPKS: tuple[int, ...] = (16, 64)
+
+
+def _index_quant(fmt: str) -> Quant:
+    return Quant(fmt, fmt, "amax", per_token=True)
+
+
+@st.composite
+def _near_topk_requests(draw: st.DrawFn, max_batch: int, q_lens: st.SearchStrategy[int],
+                        topk: int, extra_kv: int, allow_empty: bool) -> tuple[Request, ...]:
+    n = draw(st.integers(1, max_batch))
+    out: list[Request] = []
+    for i in range(n):
+        empty_ok = allow_empty and (i < n - 1 or any(r.q_len for r in out))
+        q_len = draw(st.one_of(st.just(0), q_lens) if empty_ok else q_lens)
+        near = st.sampled_from(tuple(k for k in (topk, topk - 1, topk + 1) if k >= max(q_len, 1)))
+        out.append(Request(q_len, draw(st.one_of(near, st.integers(max(q_len, 1),
+                                                                   topk + extra_kv)))))
+    return tuple(out)
+
+
+@st.composite
+def _indexer(draw: st.DrawFn, max_tokens: int, max_segments: int, head_counts: Sequence[int],
+             head_dims: Sequence[int], formats: Sequence[str]) -> IndexerCase:
+    return IndexerCase(segments=draw(_segments(max_tokens, max_segments)),
+                       num_heads=draw(st.sampled_from(head_counts)),
+                       head_dim=draw(st.sampled_from(head_dims)),
+                       quant=_index_quant(draw(st.sampled_from(formats))))
+
+
+def indexer_cases(max_tokens: int = 96, max_segments: int = 3,
+                  head_counts: Sequence[int] = INDEX_HEAD_COUNTS,
+                  head_dims: Sequence[int] = INDEX_HEAD_DIMS,
+                  formats: Sequence[str] = INDEX_FORMATS) -> st.SearchStrategy[IndexerCase]:
+    """Prefill-form indexer logits: multi-segment with context (tile-boundary lengths first),
+    empty segments first."""
+    return _indexer(max_tokens, max_segments, head_counts, head_dims, formats)
+
+
+@st.composite
+def _paged_indexer(draw: st.DrawFn, max_batch: int, next_ns: Sequence[int], max_kv: int,
+                   head_counts: Sequence[int], page_sizes: Sequence[int],
+                   placements: Sequence[Placement], formats: Sequence[str]) -> PagedIndexerCase:
+    nn = draw(st.sampled_from(next_ns))
+    n = draw(st.integers(1, max_batch))
+    reqs = tuple(Request(nn, draw(_length(nn, max_kv))) for _ in range(n))
+    return PagedIndexerCase(requests=reqs, num_heads=draw(st.sampled_from(head_counts)),
+                            page_size=draw(st.sampled_from(page_sizes)),
+                            quant=_index_quant(draw(st.sampled_from(formats))),
+                            placement=draw(st.sampled_from(placements)))
+
+
+def paged_indexer_cases(max_batch: int = 3, next_ns: Sequence[int] = (1, 2), max_kv: int = 300,
+                        head_counts: Sequence[int] = INDEX_HEAD_COUNTS,
+                        page_sizes: Sequence[int] = (16, 64, 1),
+                        placements: Sequence[Placement] = PLACEMENTS,
+                        formats: Sequence[str] = INDEX_FORMATS
+                        ) -> st.SearchStrategy[PagedIndexerCase]:
+    """Decode-form indexer logits over the paged key cache: next_n 1 then 2 (MTP), partial
+    last pages, tile-boundary kv lengths first."""
+    return _paged_indexer(max_batch, next_ns, max_kv, head_counts, page_sizes, placements,
+                          formats)
+
+
+@st.composite
+def _topk(draw: st.DrawFn, max_batch: int, max_q_len: int, topks: Sequence[int],
+          extra_kv: int, forms: Sequence[str], profiles: Sequence[str]) -> TopkCase:
+    topk = draw(st.sampled_from(topks))
+    reqs = draw(_near_topk_requests(max_batch, st.integers(1, max_q_len), topk, extra_kv, True))
+    return TopkCase(requests=reqs, topk=topk, form=draw(st.sampled_from(forms)),  # type: ignore[arg-type]
+                    logits=draw(st.sampled_from(profiles)))  # type: ignore[arg-type]
+
+
+def topk_cases(max_batch: int = 3, max_q_len: int = 3, topks: Sequence[int] = PIPELINE_TOPKS,
+               extra_kv: int = 32, forms: Sequence[str] = ("decode", "prefill"),
+               profiles: Sequence[str] = ("distinct", "ties")) -> st.SearchStrategy[TopkCase]:
+    """Top-k over FP32 logits rows, kv lengths around topk first, both forms, exact ties."""
+    return _topk(max_batch, max_q_len, topks, extra_kv, forms, profiles)
+
+
+@st.composite
+def _conversion(draw: st.DrawFn, max_batch: int, max_q_len: int, topks: Sequence[int],
+                extra_kv: int, page_sizes: Sequence[int], index_layouts: Sequence[str],
+                placements: Sequence[Placement]) -> IndexConversionCase:
+    topk = draw(st.sampled_from(topks))
+    reqs = draw(_near_topk_requests(max_batch, st.integers(1, max_q_len), topk, extra_kv, True))
+    return IndexConversionCase(
+        requests=reqs, topk=topk, valid_cap=draw(st.one_of(st.none(), st.integers(0, topk - 1))),
+        page_size=draw(st.sampled_from(page_sizes)),
+        index_layout=draw(st.sampled_from(index_layouts)),  # type: ignore[arg-type]
+        placement=draw(st.sampled_from(placements)))
+
+
+def conversion_cases(max_batch: int = 3, max_q_len: int = 2,
+                     topks: Sequence[int] = PIPELINE_TOPKS, extra_kv: int = 32,
+                     page_sizes: Sequence[int] = (16, 1, 64),
+                     index_layouts: Sequence[str] = ("row_major", "ragged"),
+                     placements: Sequence[Placement] = PLACEMENTS
+                     ) -> st.SearchStrategy[IndexConversionCase]:
+    """Request-local top-k -> global slots: kv around topk (padded rows) first, valid_cap,
+    both buffer layouts, shuffled and packed pools."""
+    return _conversion(max_batch, max_q_len, topks, extra_kv, page_sizes, index_layouts,
+                       placements)
+
+
+@st.composite
+def _sparse_prefill(draw: st.DrawFn, max_tokens: int, max_segments: int, topks: Sequence[int],
+                    head_counts: Sequence[int], quants: Sequence[Quant]) -> SparsePrefillCase:
+    segments = draw(_segments(max_tokens, max_segments))
+    topk = draw(st.sampled_from(topks))
+    total_q = sum(s.q_len for s in segments)
+    return SparsePrefillCase(
+        segments=segments, topk=topk,
+        valid_cap=draw(st.one_of(st.none(), st.integers(0, topk - 1))),
+        empty_rows=draw(st.integers(0, min(2, total_q))),
+        num_heads=draw(st.sampled_from(head_counts)), quant=draw(st.sampled_from(quants)))
+
+
+def sparse_prefill_cases(max_tokens: int = 96, max_segments: int = 3,
+                         topks: Sequence[int] = PIPELINE_TOPKS,
+                         head_counts: Sequence[int] = (16, 64, 128),
+                         quants: Sequence[Quant] = (Quant("bf16", "bf16"), Quant("fp16", "fp16"))
+                         ) -> st.SearchStrategy[SparsePrefillCase]:
+    """Sparse MLA prefill: segments with context, padded rows (valid_cap), rows with no
+    valid index."""
+    return _sparse_prefill(max_tokens, max_segments, topks, head_counts, quants)
+
+
+@st.composite
+def _pipeline(draw: st.DrawFn, max_batch: int, next_ns: Sequence[int], topks: Sequence[int],
+              extra_kv: int, head_counts: Sequence[int], index_heads: Sequence[int],
+              page_sizes: Sequence[int], placements: Sequence[Placement],
+              quants: Sequence[Quant]) -> SparsePipelineCase:
+    topk = draw(st.sampled_from(topks))
+    nn = draw(st.sampled_from(next_ns))
+    reqs = draw(_near_topk_requests(max_batch, st.just(nn), topk, extra_kv, False))
+    return SparsePipelineCase(
+        requests=reqs, topk=topk, num_heads=draw(st.sampled_from(head_counts)),
+        index_heads=draw(st.sampled_from(index_heads)),
+        page_size=draw(st.sampled_from(page_sizes)), quant=draw(st.sampled_from(quants)),
+        placement=draw(st.sampled_from(placements)))
+
+
+def pipeline_cases(max_batch: int = 3, next_ns: Sequence[int] = (1, 2),
+                   topks: Sequence[int] = PIPELINE_TOPKS, extra_kv: int = 32,
+                   head_counts: Sequence[int] = (16,), index_heads: Sequence[int] = (16,),
+                   page_sizes: Sequence[int] = (16, 64),
+                   placements: Sequence[Placement] = (Placement(), Placement("packed")),
+                   quants: Sequence[Quant] = (Quant("bf16", "bf16"),)
+                   ) -> st.SearchStrategy[SparsePipelineCase]:
+    """The composed decode path: kv around topk first, MTP, shuffled and packed pools."""
+    return _pipeline(max_batch, next_ns, topks, extra_kv, head_counts, index_heads, page_sizes,
+                     placements, quants)
+
+
 def cases(op: str = "any") -> st.SearchStrategy[Case]:
     """The default strategy for one op name (spec.OPS), or for all of them ("any")."""
     by_op: dict[str, st.SearchStrategy[Case]] = {
@@ -346,6 +515,12 @@ def cases(op: str = "any") -> st.SearchStrategy[Case]:
         Op.PAGED_PREFILL: paged_prefill_cases(),
         Op.DECODE: decode_cases(),
         Op.SPARSE_DECODE: sparse_cases(),
+        Op.MQA_LOGITS: indexer_cases(),
+        Op.PAGED_MQA_LOGITS: paged_indexer_cases(),
+        Op.TOPK: topk_cases(),
+        Op.INDEX_CONVERSION: conversion_cases(),
+        Op.SPARSE_PREFILL: sparse_prefill_cases(),
+        Op.SPARSE_PIPELINE: pipeline_cases(),
     }
     if op == "any":
         return st.one_of(*by_op.values())
@@ -365,8 +540,14 @@ __all__ = [
     "QUANTS",
     "WIDE_PAGE_KV",
     "cases",
+    "conversion_cases",
     "decode_cases",
+    "indexer_cases",
+    "paged_indexer_cases",
     "paged_prefill_cases",
+    "pipeline_cases",
     "prefill_cases",
     "sparse_cases",
+    "sparse_prefill_cases",
+    "topk_cases",
 ]

@@ -78,3 +78,32 @@ def compute_format(q_format: str, kv_format: str) -> str:
 
 def row_floor(q_format: str) -> float:
     return FLOOR_ROUNDOFFS * OUTPUT_ROUNDOFF[output_format(q_format)]
+
+
+# --------------------------------------------------------------------------- sparse pipeline
+
+# Indexer logits (mqa_logits, paged_mqa_logits, the composed path's selection). An
+# implementation multiplies FP8 q and key values (every product is exact in fp32), sums them
+# over the head dim in its MMA accumulator, scales, applies ReLU and sums the heads in fp32.
+# The coarsest accumulator a correct kernel uses is Hopper's FP8 tensor-core MMA, which keeps
+# about 14 bits (DeepSeek-V3 technical report, section 3.3.2: "limited to retaining around
+# 14 bits"); AMD's MFMA and CUDA-core fp32 sums are finer. A sum accumulated with unit
+# roundoff u errs by about u x (the sum of |terms|), the logit's `magnitude` (golden.indexer);
+# a sequential accumulator keeping 13 significant bits (one fewer than Hopper's) over
+# head_dim 128 erred by at most 0.43 x 2^-14 x magnitude (docs/detection.md "Indexer
+# logits"). The bound per logit is LOGIT_BOUND_ROUNDOFFS x 2^-14 x magnitude: ~9x that, while every
+# mechanism the faults plant (a key scale ignored or taken from the neighbouring token, the q
+# scale twice, ReLU dropped) moves logits by 10% or more of |logit|, i.e. >= 40 u x magnitude
+# (magnitude / |logit| is ~100 for unit-variance inputs over 64 heads).
+LOGIT_ACCUM_ROUNDOFF = 2.0**-14
+LOGIT_BOUND_ROUNDOFFS = 4.0
+
+# A top-k kernel handed FP32 logits compares them exactly: its selection must be a top-k of
+# exactly those logits (ties, equal values, still free: golden.topk). The composed path
+# selects from its own logits: there the bound is logit_bound of the golden magnitudes.
+TOPK_LOGIT_BOUND = 0.0
+
+
+def logit_bound(magnitude):  # noqa: ANN001, ANN201 - a tensor or a float
+    """Per-logit error bound from the logit's magnitude (sum of |terms|), see above."""
+    return LOGIT_BOUND_ROUNDOFFS * LOGIT_ACCUM_ROUNDOFF * magnitude

@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from mlacheck.inputs import Inputs
-from mlacheck.spec import Case, PrefillCase, SparseDecodeCase
+from mlacheck.spec import Case, PrefillCase
 
 
 @dataclass(frozen=True)
@@ -140,9 +140,10 @@ class Capability:
              not self.uniform_q_len or len({q for q in case.q_lengths if q}) <= 1,
              "mixed q_len in one batch (the kernel takes one q_len per batch)"),
         ]
-        if isinstance(case, SparseDecodeCase):
-            checks.append(("max_topk", self.max_topk is None or case.topk <= self.max_topk,
-                           f"topk {case.topk} > max {self.max_topk}"))
+        topk = getattr(case, "topk", None)  # sparse decode and the sparse-pipeline cases
+        if topk is not None:
+            checks.append(("max_topk", self.max_topk is None or topk <= self.max_topk,
+                           f"topk {topk} > max {self.max_topk}"))
         for name, ok, reason in checks:
             if not ok:
                 why = self.reasons.get(name)
@@ -169,7 +170,8 @@ def _fmt(allowed: Collection[Any] | Range | None) -> str:
 
 @dataclass
 class Output:
-    """A backend's result, normalised: out [T, H, Dv]; lse [T, H] natural log or None.
+    """A backend's result, normalised: out [T, H, Dv]; lse [T, H] natural log or None (the
+    sparse-pipeline ops: `out` is their primary output, see mlacheck.pipeline_judge).
 
     `metadata` carries what the backend used that the judge can validate (e.g. AITER's
     persistent-schedule buffers under key "persistent"); `wrote_into_guarded` says the
@@ -180,6 +182,10 @@ class Output:
     lse: torch.Tensor | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     wrote_into_guarded: bool = False
+    # Named secondary outputs an op has beside `out` (the sparse-pipeline ops: "max_logits"
+    # [T, H] of sparse prefill, "slots" [T, topk] the composed path attended to, "indptr" of
+    # a ragged index buffer), normalised like `out`.
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @runtime_checkable

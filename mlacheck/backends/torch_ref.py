@@ -13,9 +13,12 @@ LSE and merged, as persistent decode does) and `reverse` (blocks visited last to
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mlacheck import layouts
+from mlacheck.backends import torch_pipeline as tp
 from mlacheck.backends.base import Capability, Output
 from mlacheck.backends.numerics import (
     DEFAULT_NUMERICS,
@@ -24,7 +27,7 @@ from mlacheck.backends.numerics import (
     p_format_for,
 )
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
-from mlacheck.spec import Case, Op, PrefillCase
+from mlacheck.spec import PIPELINE_OPS, Case, Op, PrefillCase
 
 
 class TorchBackend:
@@ -54,15 +57,53 @@ class TorchBackend:
                           layouts=every)
         decode = Capability(causal=(True,), per_token_scales=True, empty_requests=True,
                             layouts=every)
+        indexer = Capability(per_token_scales=True, empty_requests=True)
         return {Op.PREFILL: full, Op.PAGED_PREFILL: full, Op.DECODE: decode,
-                Op.SPARSE_DECODE: decode}
+                Op.SPARSE_DECODE: decode,
+                # the DeepSeek-V3.2 sparse pipeline (mlacheck.backends.torch_pipeline)
+                Op.MQA_LOGITS: indexer, Op.PAGED_MQA_LOGITS: indexer,
+                Op.TOPK: Capability(empty_requests=True),
+                Op.INDEX_CONVERSION: Capability(empty_requests=True),
+                Op.SPARSE_PREFILL: Capability(empty_requests=True),
+                Op.SPARSE_PIPELINE: Capability(empty_requests=True, layouts=every)}
 
     def run(self, case: Case, inputs: Inputs) -> Output:
+        if case.op in PIPELINE_OPS:
+            return self.run_pipeline_op(case, inputs)
         op_run = {Op.PREFILL: self._prefill, Op.PAGED_PREFILL: self._prefill,
                   Op.DECODE: self._decode, Op.SPARSE_DECODE: self._sparse}[case.op]
         out, lse = op_run(inputs)
         inputs.out.out.copy_(out.to(inputs.out.out.dtype))
         return Output(inputs.out.out, lse, wrote_into_guarded=True)
+
+    def run_pipeline_op(self, case: Case, inputs: Any) -> Output:
+        """The sparse-pipeline ops: their kernel-precision implementations, written into the
+        guarded output buffers."""
+        op = case.op
+        if op in ("mqa_logits", "paged_mqa_logits"):
+            logits = (tp.mqa_logits(inputs) if op == "mqa_logits"
+                      else tp.paged_mqa_logits(inputs))
+            return _written(inputs, logits)
+        if op == "topk_indices":
+            return _written(inputs, tp.topk(inputs))
+        if op == "index_conversion":
+            slots, indptr = tp.convert(inputs)
+            if indptr is None:
+                return _written(inputs, slots)
+            inputs.out.out[: slots.numel()] = slots.to(inputs.device)
+            return Output(inputs.out.out, extra={"indptr": indptr}, wrote_into_guarded=True)
+        if op == "mla_sparse_prefill":
+            out, lse, mx = tp.sparse_prefill(inputs, self.numerics,
+                                             scale=self.softmax_scale(case))
+            res = _written(inputs, out)
+            res.lse, res.extra["max_logits"] = lse, mx
+            return res
+        assert op == "sparse_pipeline"
+        _, slots = tp.pipeline_selection(inputs)
+        out, lse = tp.slots_attention(inputs, slots, self.numerics)
+        res = _written(inputs, out)
+        res.lse, res.extra["slots"] = lse, slots
+        return res
 
     # -- ops
     def _prefill(self, inputs: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,6 +158,12 @@ class TorchBackend:
                 lses.append(lse)
                 t += 1
         return torch.cat(outs), torch.cat(lses)
+
+
+def _written(inputs: Any, result: torch.Tensor) -> Output:
+    """`result` copied into the inputs' guarded output buffer (the kernel's output view)."""
+    inputs.out.out.copy_(result.to(inputs.out.out.dtype))
+    return Output(inputs.out.out, wrote_into_guarded=True)
 
 
 def factory() -> TorchBackend:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from mlacheck.golden import decode, prefill
+from mlacheck.golden import decode, pipeline_ops, prefill
 from mlacheck.golden.core import Result
 from mlacheck.inputs import Inputs
 from mlacheck.spec import Op
@@ -25,9 +25,11 @@ def reference(inputs: Inputs, variant: str = "exact", precision: str = "fp32") -
     return _REFERENCES[inputs.case.op](inputs, variant, PRECISIONS[precision])  # type: ignore[operator]
 
 
-# The reference of each op (a new op adds its own: mlacheck/ops.py).
+# The reference of each op (a new op adds its own: mlacheck/ops.py; the sparse-pipeline
+# ops' are in mlacheck.golden.pipeline_ops, None where an op has no such variant).
 _REFERENCES = {Op.PREFILL: prefill.reference, Op.PAGED_PREFILL: prefill.reference,
-               Op.DECODE: decode.reference, Op.SPARSE_DECODE: decode.sparse_reference}
+               Op.DECODE: decode.reference, Op.SPARSE_DECODE: decode.sparse_reference,
+               **pipeline_ops.REFERENCES}
 
 
 __all__ = ["PRECISIONS", "VARIANTS", "Result", "reference"]

@@ -63,6 +63,7 @@ from mlacheck import boundaries, bugclasses
 from mlacheck.markers import KNOWN_MARKERS
 from mlacheck.spec import (
     CASE_TYPES,
+    PIPELINE_OPS,
     REQUIRED,
     Case,
     MLADims,
@@ -127,6 +128,15 @@ def derived_markers(case: Case) -> tuple[str, ...]:
     found: set[str] = set()
     if case.quant.is_fp8:
         found.add("fp8")
+    if case.op in PIPELINE_OPS:  # the V3.2 sparse path: persistent only where it decodes
+        found.add("sparse")
+        if case.op == Op.SPARSE_PIPELINE:
+            found.add("persistent")
+        if len(case.units) > 1 and case.unit_name == "segment":
+            found.add("multiseg")
+        if case.placement.kind == "high":
+            found.add("large_kv")
+        return tuple(sorted(found))
     if case.op == Op.SPARSE_DECODE:
         found.add("sparse")
     if case.op in (Op.DECODE, Op.SPARSE_DECODE):  # persistent decode, on backends that have it

@@ -18,6 +18,8 @@ fault's module is imported when the fault is built. One module per family:
     boundary.py    the boundary classes of mlacheck/boundaries.py (tile multiples, long kv,
                    wide page ids, empty requests/segments, one-token segments, soft cap,
                    per-token scales, narrow accumulation)
+    pipeline.py    the DeepSeek-V3.2 sparse path: classes 13 (indexer logits), 14 (top-k),
+                   15 (index conversion, -1 as a slot), 2 and 9 across the path, generic
 
 Each FaultSpec names the selftest-matrix groups (mlacheck/matrices/selftest.yaml) meant to
 expose it, the checks expected to fire there ("crash" for a refused call), the Hypothesis
@@ -77,6 +79,8 @@ _M = "mlacheck.backends.faults"
 DECODE = (Op.DECODE,)
 SPARSE = (Op.SPARSE_DECODE,)
 PREFILL = (Op.PREFILL,)
+INDEXER = (Op.MQA_LOGITS, Op.PAGED_MQA_LOGITS)
+PAGED_INDEXER = (Op.PAGED_MQA_LOGITS,)
 
 _SPECS = (
     FaultSpec("decode-num-actual-tokens", 1,
@@ -163,10 +167,92 @@ _SPECS = (
               f"{_M}.heads:unpad_heads_slice", "aiter-model", DECODE + SPARSE,
               ("decode-heads",), ("row_error",), "decode_heads",
               contrast="passes with 12 heads (zero-padded) and 16 (no padding)"),
+    FaultSpec("indexer-key-scale-ignored", 13,
+              "indexer keys used as stored FP8 values: the per-token scale is never applied",
+              f"{_M}.pipeline:indexer_key_scale_ignored", "torch", INDEXER,
+              ("indexer-prefill", "indexer-paged"), ("logit_error",), "indexer_any"),
+    FaultSpec("indexer-key-scale-neighbour", 13,
+              "each indexer key's scale read one token on (the next token's 4 scale bytes)",
+              f"{_M}.pipeline:indexer_key_scale_neighbour", "torch", INDEXER,
+              ("indexer-prefill", "indexer-paged"), ("logit_error",), "indexer_any"),
+    FaultSpec("indexer-q-scale-twice", 13,
+              "the q scale folded into the indexer weights a second time",
+              f"{_M}.pipeline:indexer_q_scale_twice", "torch", INDEXER,
+              ("indexer-prefill", "indexer-paged"), ("logit_error",), "indexer_any"),
+    FaultSpec("indexer-relu-dropped", 13,
+              "indexer logits sum_h w (q . k) without the ReLU: negative head scores count",
+              f"{_M}.pipeline:indexer_relu_dropped", "torch", INDEXER,
+              ("indexer-prefill", "indexer-paged"), ("logit_error",), "indexer_any"),
+    FaultSpec("indexer-window-off-by-one", 13,
+              "each row's causal window end one position too far (ke + 1, visible + 1)",
+              f"{_M}.pipeline:indexer_window_off_by_one", "torch", INDEXER,
+              ("indexer-prefill", "indexer-paged"), ("mask",), "indexer_any"),
+    FaultSpec("indexer-page-tail-read", 13,
+              "the paged indexer reads each request's last page whole: the poisoned tail past "
+              "the context length becomes visible positions",
+              f"{_M}.pipeline:indexer_page_tail_read", "torch", PAGED_INDEXER,
+              ("indexer-paged",), ("mask",), "indexer_paged",
+              contrast="passes when every kv length is a multiple of the page size"),
+    FaultSpec("indexer-mtp-full-context", 9,
+              "MTP indexer rows given the request's context length (1-D) instead of their own "
+              "(2-D [batch, next_n]): every row sees the whole context",
+              f"{_M}.pipeline:indexer_mtp_full_context", "torch", PAGED_INDEXER,
+              ("indexer-paged",), ("mask",), "indexer_paged",
+              contrast="passes with next_n 1"),
+    FaultSpec("topk-masked-chosen", 14,
+              "rows that see fewer than k positions filled with masked ones (torch.topk over "
+              "-inf) instead of -1",
+              f"{_M}.pipeline:topk_masked_chosen", "torch", ("topk_indices",),
+              ("topk",), ("selection",), "topk_any",
+              contrast="passes when every row sees at least k positions"),
+    FaultSpec("topk-not-localised", 14,
+              "prefill top-k returns batch-wide positions, not relative to the row's window "
+              "start (ks)",
+              f"{_M}.pipeline:topk_not_localised", "torch", ("topk_indices",),
+              ("topk",), ("selection",), "topk_prefill",
+              contrast="passes in the decode form and on a one-request batch (ks = 0)"),
+    FaultSpec("conversion-minus1-to-slot", 15,
+              "top-k -1 padding converted as position 0: a valid-looking slot of the request",
+              f"{_M}.pipeline:conversion_minus1_to_slot", "torch", ("index_conversion",),
+              ("conversion",), ("slots", "indptr"), "conversion_any",
+              contrast="passes when every token has topk valid positions"),
+    FaultSpec("conversion-contiguous-base", 15,
+              "slot = the request's first slot + position: assumes a request's pages are "
+              "contiguous",
+              f"{_M}.pipeline:conversion_contiguous_base", "torch", ("index_conversion",),
+              ("conversion",), ("slots",), "conversion_any",
+              contrast="passes on a packed pool (each request's pages contiguous, in order)"),
+    FaultSpec("conversion-ragged-indptr", 2,
+              "a ragged slot buffer published with row-major offsets (t * topk)",
+              f"{_M}.pipeline:conversion_ragged_indptr", "torch", ("index_conversion",),
+              ("conversion",), ("indptr",), "conversion_ragged",
+              contrast="passes when every token has topk valid positions"),
+    FaultSpec("sparse-prefill-minus1-slot0", 15,
+              "sparse prefill reads index -1 as row 0 of the latent KV",
+              f"{_M}.pipeline:sparse_prefill_minus1_slot0", "torch", ("mla_sparse_prefill",),
+              ("sparse-prefill",), ("row_error", "lse", "nonfinite"), "sparse_prefill_any",
+              contrast="passes when every row has topk valid indices"),
+    FaultSpec("sparse-prefill-max-logits-unscaled", "generic",
+              "sparse prefill's max_logits returned without the softmax scale",
+              f"{_M}.pipeline:sparse_prefill_max_logits_unscaled", "torch",
+              ("mla_sparse_prefill",), ("sparse-prefill",), ("max_logits",),
+              "sparse_prefill_any"),
+    FaultSpec("pipeline-ragged-rowmajor", 2,
+              "the composed path's slots written ragged (each token's valid slots back to "
+              "back) and read row-major (t * topk) by the sparse attention",
+              f"{_M}.pipeline:pipeline_ragged_rowmajor", "torch", ("sparse_pipeline",),
+              ("pipeline",), ("selection", "row_error", "nonfinite"), "pipeline_any",
+              contrast="passes when every token selects topk positions"),
+    FaultSpec("pipeline-local-as-global", 15,
+              "the composed path hands the attention request-local top-k positions as global "
+              "slots (the conversion through the block table skipped)",
+              f"{_M}.pipeline:pipeline_local_as_global", "torch", ("sparse_pipeline",),
+              ("pipeline",), ("selection", "row_error"), "pipeline_any",
+              contrast="passes with one request on a packed pool (slot = position)"),
     FaultSpec("perturb-row", "generic",
               "one (token, head) output row scaled by 1.02",
               f"{_M}.generic:perturb_row", "torch",
-              (Op.PREFILL, Op.PAGED_PREFILL, Op.DECODE, Op.SPARSE_DECODE),
+              (Op.PREFILL, Op.PAGED_PREFILL, Op.DECODE, Op.SPARSE_DECODE, Op.SPARSE_PREFILL),
               ("decode-mixed", "prefill-segments"), ("row_error",), "decode_bf16"),
     FaultSpec("default-softmax-scale", "generic",
               "sm_scale not passed: AITER decode's default 1/sqrt(576) instead of the model's",
@@ -175,7 +261,7 @@ _SPECS = (
     FaultSpec("lse-base2", "generic",
               "LSE returned in base 2",
               f"{_M}.generic:lse_base2", "torch",
-              (Op.PREFILL, Op.PAGED_PREFILL, Op.DECODE, Op.SPARSE_DECODE),
+              (Op.PREFILL, Op.PAGED_PREFILL, Op.DECODE, Op.SPARSE_DECODE, Op.SPARSE_PREFILL),
               ("decode-mixed", "prefill-segments"), ("lse",), "decode_any"),
     FaultSpec("causal-top-left", "generic",
               "causal mask aligned top-left (query i sees kv j <= i)",
@@ -191,7 +277,7 @@ _SPECS = (
     FaultSpec("write-past-output", "generic",
               "the last output tile writes the row after the output",
               f"{_M}.generic:write_past_output", "torch",
-              (Op.PREFILL, Op.PAGED_PREFILL, Op.DECODE, Op.SPARSE_DECODE),
+              (Op.PREFILL, Op.PAGED_PREFILL, Op.DECODE, Op.SPARSE_DECODE, Op.SPARSE_PREFILL),
               ("decode-mixed", "prefill-segments"), ("guards",), "decode_any"),
     FaultSpec("tile-multiple-drops-last", "kv-multiple-of-256",
               "a tile loop bound < instead of <= : a kv length that is an exact multiple of 256 "
@@ -312,6 +398,14 @@ AXES: dict[str, str] = {
     "empty-request-shift": "requests", "empty-segment-shift": "segments",
     "single-token-no-context": "segments", "soft-cap-ignored": "semantics",
     "per-token-scale-ignored": "rows", "narrow-accumulation": "requests",
+    "indexer-key-scale-ignored": "all", "indexer-key-scale-neighbour": "all",
+    "indexer-q-scale-twice": "all", "indexer-relu-dropped": "all",
+    "indexer-window-off-by-one": "window", "indexer-page-tail-read": "window",
+    "indexer-mtp-full-context": "window", "topk-masked-chosen": "selection",
+    "topk-not-localised": "selection", "conversion-minus1-to-slot": "slots",
+    "conversion-contiguous-base": "slots", "conversion-ragged-indptr": "slots",
+    "sparse-prefill-minus1-slot0": "rows", "sparse-prefill-max-logits-unscaled": "max_logits",
+    "pipeline-ragged-rowmajor": "selection", "pipeline-local-as-global": "selection",
 }
 
 # What the registry merges into its built-ins: `fault:<name>` -> "module:factory".

@@ -34,16 +34,20 @@ from mlacheck.backends.numerics import Numerics, flash_attend, p_format_for
 from mlacheck.backends.torch_ref import TorchBackend
 from mlacheck.inputs import Inputs, PrefillInputs
 from mlacheck.kvcache import GUARD_ROWS
-from mlacheck.spec import OPS, Case, Op
+from mlacheck.spec import OPS, PIPELINE_OPS, Case, Op
 
 PREFILL_OPS = (Op.PREFILL, Op.PAGED_PREFILL)
+# The ops whose output is attention [T, H, Dv] with an LSE (the others' outputs are logits,
+# selections and slots: mlacheck/backends/faults/pipeline.py plants theirs).
+ATTENTION_OPS = tuple(op for op in OPS if op not in PIPELINE_OPS) + (Op.SPARSE_PREFILL,
+                                                                      Op.SPARSE_PIPELINE)
 DEFAULT_DELTA = 0.02  # the bf16 sensitivity target (docs/detection.md)
 
 
 class PerturbRow(Wrapper):
     """One (token, head) row of the correct output scaled by (1 + delta)."""
 
-    ops = OPS
+    ops = ATTENTION_OPS
 
     def __init__(self, inner: Backend, name: str, delta: float = DEFAULT_DELTA) -> None:
         super().__init__(inner, name)
@@ -76,7 +80,7 @@ class DefaultSoftmaxScale(AdapterFault):
 class LseBase2(Wrapper):
     """The LSE handed back in base 2 (log2 sum 2^(s log2 e)) = natural LSE / ln 2."""
 
-    ops = OPS
+    ops = ATTENTION_OPS
 
     def run(self, case: Case, inputs: Inputs) -> Output:
         res = self.inner.run(case, inputs)
@@ -125,7 +129,7 @@ class LastPageOffByOne(AdapterFault):
 class WritePastOutput(Wrapper):
     """The last output tile writes one row too many: the row after the output is written."""
 
-    ops = OPS
+    ops = ATTENTION_OPS
 
     def run(self, case: Case, inputs: Inputs) -> Output:
         res = self.inner.run(case, inputs)
@@ -142,6 +146,9 @@ class Nondeterministic(TorchBackend):
     def __init__(self, name: str) -> None:
         super().__init__(Numerics(), name)
         self.calls = 0
+
+    def capabilities(self) -> dict[str, Capability]:
+        return restrict(super().capabilities(), ATTENTION_OPS)
 
     def run(self, case: Case, inputs: Inputs) -> Output:
         self.calls += 1

@@ -157,6 +157,51 @@ def prefill_per_token() -> st.SearchStrategy[Case]:
                            quants=(Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax", per_token=True),))
 
 
+# --------------------------------------------------------------------------- sparse pipeline
+
+
+def indexer_any() -> st.SearchStrategy[Case]:
+    """Either indexer form, small: prefill segments then the paged cache."""
+    return st.one_of(S.indexer_cases(max_tokens=48, max_segments=2, head_counts=(16,),
+                                     head_dims=(128,), formats=("fp8_e4m3fn",)),
+                     indexer_paged())
+
+
+def indexer_paged() -> st.SearchStrategy[Case]:
+    return S.paged_indexer_cases(max_batch=3, next_ns=(1, 2), max_kv=MAX_KV, head_counts=(16,),
+                                 page_sizes=(16,), placements=SHUFFLED,
+                                 formats=("fp8_e4m3fn",))
+
+
+def topk_any() -> st.SearchStrategy[Case]:
+    return S.topk_cases(max_batch=3, max_q_len=2, topks=(16,), extra_kv=16)
+
+
+def topk_prefill() -> st.SearchStrategy[Case]:
+    return S.topk_cases(max_batch=3, max_q_len=2, topks=(16,), extra_kv=16, forms=("prefill",))
+
+
+def conversion_any() -> st.SearchStrategy[Case]:
+    return S.conversion_cases(max_batch=3, max_q_len=2, topks=(16,), extra_kv=16,
+                              page_sizes=(16,), index_layouts=("row_major",),
+                              placements=(Placement("packed"), *SHUFFLED))
+
+
+def conversion_ragged() -> st.SearchStrategy[Case]:
+    return S.conversion_cases(max_batch=3, max_q_len=2, topks=(16,), extra_kv=16,
+                              page_sizes=(16,), index_layouts=("ragged",), placements=SHUFFLED)
+
+
+def sparse_prefill_any() -> st.SearchStrategy[Case]:
+    return S.sparse_prefill_cases(max_tokens=48, max_segments=2, topks=(16,), head_counts=(16,),
+                                  quants=BF16)
+
+
+def pipeline_any() -> st.SearchStrategy[Case]:
+    return S.pipeline_cases(max_batch=3, next_ns=(1,), topks=(16,), extra_kv=16,
+                            page_sizes=(16,), placements=(Placement("packed"), *SHUFFLED))
+
+
 # Strategies whose examples allocate multi-GiB pools (or long kv): the selftest gives them a
 # small budget.
 EXPENSIVE = frozenset({"decode_large_kv31", "decode_large_kv32", "decode_long_kv"})
