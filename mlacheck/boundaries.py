@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from mlacheck.spec import FORMAT_BYTES, Case, Op
+from mlacheck.spec import FORMAT_BYTES, PIPELINE_OPS, Case, Op
 
 # Tile / split / partition sizes kernels use along kv (FlashAttention-style tiles 64-256,
 # split-K partitions 512-2048, AITER's kv granularity, FlashMLA's 64-token pages).
@@ -120,6 +120,69 @@ def _live_bytes_past(bound: int) -> Callable[[Case], bool]:
     return applies
 
 
+# --------------------------------------------------------------------------- sparse pipeline
+# The DeepSeek-V3.2 sparse path (mlacheck.spec): rows that select fewer than k positions
+# (-1 padding inside the row), exactly k, none; MTP indexer rows; partial last pages of the
+# paged key cache; exact ties at the k-th logit; windows that start past column 0.
+TOPK, CONVERSION, SPARSE_PREFILL, PIPELINE = (Op.TOPK, Op.INDEX_CONVERSION, Op.SPARSE_PREFILL,
+                                              Op.SPARSE_PIPELINE)
+INDEXER, PAGED_INDEXER = Op.MQA_LOGITS, Op.PAGED_MQA_LOGITS
+
+
+def _row_selections(case: Case) -> list[int]:
+    """Per query row of a sparse-pipeline case, how many positions it selects."""
+    topk = getattr(case, "topk", None)
+    if topk is None or case.op not in PIPELINE_OPS:
+        return []
+    cap = getattr(case, "valid_cap", None)
+    counts = [min(v, topk) if cap is None else min(v, topk, cap)
+              for v in case.visible_lengths]  # type: ignore[union-attr]
+    for r in _lonely_rows(case):
+        counts[r] = 0
+    return counts
+
+
+def _lonely_rows(case: Case) -> list[int]:
+    n = getattr(case, "empty_rows", 0)
+    if not n:
+        return []
+    from mlacheck.pipeline_inputs import lonely_rows
+
+    return lonely_rows(case.total_q, n)  # type: ignore[union-attr]
+
+
+def _row_below_k(case: Case) -> bool:
+    return any(0 < n < case.topk for n in _row_selections(case))  # type: ignore[union-attr]
+
+
+def _row_at_k(case: Case) -> bool:
+    return case.op in PIPELINE_OPS and any(
+        v == getattr(case, "topk", -1) for v in case.visible_lengths)  # type: ignore[union-attr]
+
+
+def _empty_row(case: Case) -> bool:
+    return any(n == 0 for n in _row_selections(case))
+
+
+def _indexer_mtp(case: Case) -> bool:
+    return getattr(case, "next_n", 1) > 1
+
+
+def _pipeline_partial_page(case: Case) -> bool:
+    ps = case.paging.page_size if case.paging is not None else 0
+    return case.op in PIPELINE_OPS and ps > 1 and any(n % ps for n in case.kv_lengths)
+
+
+def _exact_ties(case: Case) -> bool:
+    return getattr(case, "logits", "") == "ties"
+
+
+def _window_past_zero(case: Case) -> bool:
+    if case.op == INDEXER or (case.op == TOPK and getattr(case, "form", "") == "prefill"):
+        return any(q > 0 for q in case.q_lengths[1:])
+    return False
+
+
 CLASSES: tuple[BoundaryClass, ...] = (
     *(BoundaryClass(f"kv-multiple-of-{m}",
                     f"a kv length exactly a multiple of {m}: loop bounds and tile counts that are "
@@ -154,6 +217,29 @@ CLASSES: tuple[BoundaryClass, ...] = (
                   lambda c: c.soft_cap > 0),
     BoundaryClass("per-token-scale", "FP8 scales per token instead of per tensor", (PREFILL,),
                   lambda c: c.quant.per_token and c.quant.is_fp8),
+    BoundaryClass("sparse-row-below-k",
+                  "a query row that selects fewer than k positions (it sees fewer, or a valid "
+                  "cap): -1 padding inside the row, which nothing may read as a position",
+                  (TOPK, CONVERSION, SPARSE_PREFILL, PIPELINE), _row_below_k),
+    BoundaryClass("sparse-row-at-k",
+                  "a query row that sees exactly k positions: the edge between padded and full "
+                  "rows", (TOPK, CONVERSION, PIPELINE), _row_at_k),
+    BoundaryClass("sparse-empty-row", "a query row with no valid index: output 0, LSE -inf",
+                  (SPARSE_PREFILL,), _empty_row),
+    BoundaryClass("indexer-mtp",
+                  "MTP indexer rows (next_n >= 2): each row of a request sees one position more "
+                  "than the one before it", (PAGED_INDEXER, PIPELINE), _indexer_mtp),
+    BoundaryClass("indexer-partial-last-page",
+                  "a request whose last page of the paged key cache / latent pool is partial: "
+                  "its tail is poison, never a position", (PAGED_INDEXER, CONVERSION, PIPELINE),
+                  _pipeline_partial_page),
+    BoundaryClass("topk-exact-ties",
+                  "logits with exact ties at the k-th value: any choice among the tied "
+                  "positions is right, none outside them", (TOPK,), _exact_ties),
+    BoundaryClass("window-start-past-zero",
+                  "rows whose key window starts past column 0 (a later segment / request laid "
+                  "end to end): positions relative to the window start", (INDEXER, TOPK),
+                  _window_past_zero),
     BoundaryClass("pool-past-2^31", "live pages past 2^31 bytes: signed 32-bit offsets wrap",
                   (DECODE,), _live_bytes_past(1 << 31), cpu=False),
     BoundaryClass("pool-past-2^32", "live pages past 2^32 bytes: unsigned 32-bit offsets wrap",

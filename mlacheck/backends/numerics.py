@@ -56,7 +56,8 @@ def flash_attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One request, kernel-style. q [Sq,H,D] fp32 (values of the stored format), k [Sk,Hk,D],
     v [Sk,Hk,Dv]; returns (out fp32 [Sq,H,Dv], lse [Sq,H]). Causal is bottom-right unless
-    q_positions (absolute kv position of each query) is given. kv_valid [Sk] masks keys."""
+    q_positions (absolute kv position of each query) is given. kv_valid [Sk] masks keys
+    (or [H, Sk]: per head, for independent problems batched along H)."""
     sq, h, _ = q.shape
     sk = k.shape[0]
     if q_positions is None:
@@ -202,9 +203,12 @@ def _scores(qh: torch.Tensor, k: torch.Tensor, b0: int, b1: int, scale: float,
     vis = torch.ones((qh.shape[1], b1 - b0), dtype=torch.bool, device=qh.device)
     if causal:
         vis &= torch.arange(b0, b1, device=qh.device)[None, :] <= q_positions[:, None]
-    if kv_valid is not None:
+    if kv_valid is not None and kv_valid.dim() == 1:
         vis &= kv_valid[b0:b1][None, :]
-    return s.masked_fill(~vis, float("-inf"))
+    s = s.masked_fill(~vis, float("-inf"))
+    if kv_valid is not None and kv_valid.dim() == 2:  # [H, Sk]: a mask per head
+        s = s.masked_fill(~kv_valid[:, None, b0:b1], float("-inf"))
+    return s
 
 
 def _normalised(acc: torch.Tensor, l: torch.Tensor, m: torch.Tensor

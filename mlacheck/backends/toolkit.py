@@ -183,8 +183,9 @@ def signature_problems(lookup: Callable[[str], Any], module: str,
     for qualname, passed in called.items():
         try:
             fn = lookup(qualname)
-        except AttributeError:
-            problems[qualname] = f"{module} has no {qualname}"
+        except AttributeError as e:  # absent, or (a submodule path) failed to import
+            why = str(e) if "failed to import" in str(e) else ""
+            problems[qualname] = f"{module} has no {qualname}" + (f" ({why})" if why else "")
             continue
         problem = signature_problem(fn, f"{module}.{qualname}", passed)
         if problem:

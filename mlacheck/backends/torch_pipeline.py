@@ -30,6 +30,8 @@ from mlacheck.pipeline_inputs import (
 
 # Score elements [rows, heads, keys] computed at once (fp32; ~32 MB).
 BLOCK_ELEMENTS = 1 << 23
+# Gathered kv elements [tokens, topk, D] a sparse attention holds at once (fp32; ~64 MB).
+GATHER_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -156,22 +158,38 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor,
     rows indices[t] of kv [N, 1, D] (as stored, dequantised by `kv_scale` row by row as they
     are gathered; -1 or >= N ignored): (out [T, H, dv], LSE [T, H], max scaled score [T, H];
     0 / -inf / -inf for a row with no valid index)."""
-    t_total, h, _ = q.shape
+    t_total, h, d = q.shape
     n = kv.shape[0]
     out = torch.zeros((t_total, h, dv), dtype=torch.float32, device=q.device)
     lse = torch.full((t_total, h), float("-inf"), dtype=torch.float32, device=q.device)
     mx = torch.full((t_total, h), float("-inf"), dtype=torch.float32, device=q.device)
-    idx = indices.long()
-    for t in range(t_total):
-        row = idx[t]
-        row = row[(row >= 0) & (row < n)]  # only valid rows are read (a -1 reads nothing)
-        if row.numel() == 0:
+    idx = indices.long().to(q.device)
+    # each row's valid indices first (in their order): a -1 is never read, and the tiles of
+    # the online softmax hold real keys first, as a kernel reading a compacted list does
+    order = torch.argsort(((idx < 0) | (idx >= n)).to(torch.int8), dim=1, stable=True)
+    idx = idx.gather(1, order)
+    valid = (idx >= 0) & (idx < n)
+    k = idx.shape[1]
+    block = max(1, GATHER_ELEMENTS // max(1, k * d))
+    for t0 in range(0, t_total, block):
+        t1 = min(t_total, t0 + block)
+        v_b = valid[t0:t1]
+        width = int(v_b.sum(1).max()) if v_b.numel() else 0
+        if width == 0:
             continue
-        sel = fp8.dequantize(fp8.select_rows(kv, row.to(kv.device)), kv_scale)
-        o, l = flash_attend(q[t:t + 1], sel, sel[..., :dv], scale, False, p_format, numerics)
-        out[t], lse[t] = o[0], l[0]
+        rows = idx[t0:t1, :width].clamp(0, n - 1)
+        sel = fp8.dequantize(fp8.select_rows(kv, rows.reshape(-1).to(kv.device)),
+                             kv_scale).reshape(t1 - t0, width, d)
+        sel = torch.where(v_b[:, :width, None], sel, torch.zeros_like(sel))
+        # independent problems batched along the head axis: token t's heads are the queries,
+        # its own selection the keys (numerics.flash_attend with a mask per "head")
+        kk = sel.permute(1, 0, 2)  # [width, tokens, D]
+        o, l = flash_attend(q[t0:t1].permute(1, 0, 2), kk, kk[..., :dv], scale, False,
+                            p_format, numerics, kv_valid=v_b[:, :width])
+        out[t0:t1], lse[t0:t1] = o.permute(1, 0, 2), l.permute(1, 0)
         with exact_matmuls():
-            mx[t] = (torch.einsum("hd,kd->hk", q[t], sel[:, 0]) * scale).amax(-1)
+            s = torch.einsum("thd,tkd->thk", q[t0:t1], sel) * scale
+        mx[t0:t1] = s.masked_fill(~v_b[:, None, :width], float("-inf")).amax(-1)
     return out, lse, mx
 
 

@@ -13,6 +13,7 @@ run on ROCm hardware: it is verified only against the torch model.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import math
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from mlacheck import fp8, layouts
+from mlacheck.backends.aiter import pipeline as aiter_pipeline
 from mlacheck.backends.aiter.api import (
     AITER_ENV_CONTROLS,
     CALLED_PARAMETERS,
@@ -56,7 +58,7 @@ from mlacheck.backends.aiter.capability import (
 from mlacheck.backends.base import Capability, CaseRule, Output, Range
 from mlacheck.backends.toolkit import lse_natural, lse_tokens_heads
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
-from mlacheck.spec import Case, DecodeCase, Op, PrefillCase, SparseDecodeCase
+from mlacheck.spec import PIPELINE_OPS, Case, DecodeCase, Op, PrefillCase, SparseDecodeCase
 
 # --------------------------------------------------------------------------- metadata cache
 
@@ -194,6 +196,7 @@ class AiterAdapter:
                 soft_cap=True, devices=self.devices, refusal=api.op_problem(Op.PAGED_PREFILL),
                 notes="CK mha_batch_prefill_func, sglang-style page table"),
         }
+        caps.update(aiter_pipeline.capabilities(self, api, decode_common, decode_rules))
         prefill_refusal = api.op_problem(Op.PREFILL)
         if api.gfx == "gfx942":
             prefill_refusal = ("AITER refuses FP8 persistent MLA prefill on gfx942 "
@@ -209,8 +212,10 @@ class AiterAdapter:
         api = self._load()
         if isinstance(api, str):
             raise AdapterError(api)
+        pipeline = functools.partial(aiter_pipeline.run, self)  # the V3.2 sparse path
         op_run = {Op.PREFILL: self._prefill_ps, Op.PAGED_PREFILL: self._paged_prefill,
-                  Op.DECODE: self._decode, Op.SPARSE_DECODE: self._decode}[case.op]
+                  Op.DECODE: self._decode, Op.SPARSE_DECODE: self._decode,
+                  **dict.fromkeys(PIPELINE_OPS, pipeline)}[case.op]
         with pinned_environment(self.env):
             out = op_run(api, case, inputs)  # type: ignore[operator]
         out.metadata.setdefault("aiter", {}).update(
@@ -272,25 +277,10 @@ class AiterAdapter:
         concatenated (ragged, indexed by kv_indptr).
         """
         assert inputs.topk_indices is not None
-        dev, table, ps = inputs.device, inputs.table, case.page_size
-        idx = inputs.topk_indices.cpu().long()
-        total_q, topk = idx.shape
-        order = torch.argsort((idx < 0).to(torch.int8), dim=1, stable=True)
-        compact = idx.gather(1, order)
-        counts = (compact >= 0).sum(1)
-        slots = torch.full((total_q, topk), -1, dtype=torch.int64)
-        qo = inputs.qo_indptr.cpu().tolist()
-        for r in range(len(case.requests)):
-            rows = compact[qo[r]: qo[r + 1]]
-            valid = rows >= 0
-            pos = rows.clamp(min=0)
-            pages = table.pages_of(r)
-            if bool((pos[valid] >= int(table.kv_lens[r])).any()):
-                raise AdapterError(f"request {r}: top-k position beyond its kv length")
-            glob = pages[pos // ps] * ps + pos % ps
-            slots[qo[r]: qo[r + 1]] = torch.where(valid, glob, torch.full_like(glob, -1))
-        if int(slots.max()) >= 2**31:
-            raise AdapterError("global kv slot beyond int32: AITER's kv_indices cannot address it")
+        dev = inputs.device
+        total_q, topk = inputs.topk_indices.shape
+        slots, counts = aiter_pipeline.global_slots(inputs.topk_indices, inputs.qo_indptr,
+                                                    inputs.table)
         kv_indptr = torch.zeros(total_q + 1, dtype=torch.int64)
         kv_indptr[1:] = torch.cumsum(counts, 0)
         if self.persistent:

@@ -35,6 +35,11 @@ INSTALL_HINT = "pip install mlacheck[rocm] -> amd-aiter"
 # The AITER model's chip (read by mlacheck.backends.aiter_model.jit.utils.chip_info).
 MODEL_GFX_ENV = "MLACHECK_AITER_MODEL_GFX"
 
+# Functions reached by a dotted path under the package (imported on first use: the Triton
+# indexer modules import triton and query the GPU at import).
+FP8_MQA_LOGITS = "ops.triton.attention.fp8_mqa_logits.fp8_mqa_logits"
+PAGED_MQA_LOGITS = "ops.triton.attention.pa_mqa_logits.deepgemm_fp8_paged_mqa_logits"
+
 # The keyword parameters the adapter passes to each installed function. `_call` refuses a
 # keyword missing from this table, so the signature check below covers every call made.
 CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
@@ -74,6 +79,15 @@ CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
         "window_size", "return_lse", "out", "kv_last_page_lens", "q_descale", "k_descale",
         "v_descale",
     ),
+    # the DeepSeek-V3.2 indexer (Triton kernels, reached by module path) and its top-k
+    FP8_MQA_LOGITS: ("Q", "KV", "kv_scales", "weights", "cu_starts", "cu_ends",
+                     "clean_logits"),
+    PAGED_MQA_LOGITS: ("q_fp8", "kv_cache", "weights", "out_logits", "context_lens",
+                       "kv_indices", "max_model_len", "Preshuffle", "KVBlockSize", "ChunkK"),
+    "top_k_per_row_prefill": ("logits", "rowStarts", "rowEnds", "indices", "values", "numRows",
+                              "stride0", "stride1", "k"),
+    "top_k_per_row_decode": ("logits", "next_n", "seqLens", "indices", "numRows", "stride0",
+                             "stride1", "k"),
 }
 
 PERSISTENT_DECODE_FUNCTIONS = ("get_mla_metadata_info_v1", "get_mla_metadata_v1",
@@ -83,6 +97,12 @@ OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
     Op.SPARSE_DECODE: PERSISTENT_DECODE_FUNCTIONS,
     Op.PREFILL: ("get_ps_metadata_info_v1", "get_ps_metadata_v1", "mla.mla_prefill_ps_fwd"),
     Op.PAGED_PREFILL: ("mha_batch_prefill_func",),
+    Op.MQA_LOGITS: (FP8_MQA_LOGITS,),
+    Op.PAGED_MQA_LOGITS: (PAGED_MQA_LOGITS,),
+    Op.TOPK: ("top_k_per_row_prefill", "top_k_per_row_decode"),
+    Op.INDEX_CONVERSION: (),  # the adapter's own conversion (AITER has no kernel for it)
+    Op.SPARSE_PREFILL: PERSISTENT_DECODE_FUNCTIONS,  # V3.2 prefill runs as sparse decode
+    Op.SPARSE_PIPELINE: (PAGED_MQA_LOGITS, "top_k_per_row_decode", *PERSISTENT_DECODE_FUNCTIONS),
 }
 
 # Names of the six persistent-schedule buffers, in the order get_mla_metadata_info_v1 and
@@ -153,7 +173,14 @@ class AiterApi:
 
     def function(self, qualname: str) -> Callable[..., Any]:
         owner, _, name = qualname.rpartition(".")
-        return getattr(self.mla if owner == "mla" else self.module, name)
+        if owner in ("", "mla"):
+            return getattr(self.mla if owner == "mla" else self.module, name)
+        try:  # a submodule reached by path: imported on first use
+            sub = importlib.import_module(f"{self.module.__name__}.{owner}")
+        except Exception as e:  # noqa: BLE001 - an unimportable module is that op's problem
+            raise AttributeError(f"{owner} failed to import: {type(e).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else ''}"[:240]) from None
+        return getattr(sub, name)
 
     def op_problem(self, op: str) -> str | None:
         for fn in OP_FUNCTIONS[op]:

@@ -9,6 +9,9 @@ kernels are documented to compute, on CPU or GPU, deterministically:
 - FP8 persistent prefill: `get_ps_metadata_info_v1`, `get_ps_metadata_v1`,
   `mla_prefill_ps_asm_fwd`, `mla.mla_prefill_ps_fwd`;
 - CK paged batch prefill: `mha_batch_prefill_func`;
+- the DeepSeek-V3.2 indexer: `ops.triton.attention.fp8_mqa_logits.fp8_mqa_logits`,
+  `ops.triton.attention.pa_mqa_logits.deepgemm_fp8_paged_mqa_logits` (Triton kernels) and
+  the per-row top-k `top_k_per_row_prefill` / `top_k_per_row_decode`;
 - `dtypes` (fp8 = the modelled chip's format) and `jit.utils.chip_info`.
 
 The modelled chip is env MLACHECK_AITER_MODEL_GFX (gfx942 default, gfx950), its CU count
@@ -45,6 +48,7 @@ from mlacheck.backends.aiter_model._metadata import (
 from mlacheck.backends.aiter_model._mha import mha_batch_prefill_func
 from mlacheck.backends.aiter_model._ps import get_ps_metadata_v1, mla_prefill_ps_asm_fwd
 from mlacheck.backends.aiter_model._reduce import mla_reduce_v1
+from mlacheck.backends.aiter_model._topk import top_k_per_row_decode, top_k_per_row_prefill
 from mlacheck.backends.aiter_model.jit.utils import chip_info
 
 IS_MLACHECK_MODEL = True
@@ -85,4 +89,6 @@ __all__ = [
     "mla_reduce_v1",
     "plan_decode_metadata",
     "revision",
+    "top_k_per_row_decode",
+    "top_k_per_row_prefill",
 ]

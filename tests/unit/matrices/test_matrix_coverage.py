@@ -128,8 +128,31 @@ def test_soft_cap_sentinel_and_large_kv(union: list[MatrixCase]) -> None:
 
 
 def test_persistent_marker_on_every_decode_and_sparse(union: list[MatrixCase]) -> None:
+    """Every decode and sparse decode case, and the composed V3.2 path (its attention is the
+    sparse decode), exercises persistent decode; no other case does."""
     for mc in union:
-        assert ("persistent" in mc.markers) == (not isinstance(mc.case, PrefillCase)), mc.id
+        decodes_persistently = (isinstance(mc.case, DecodeCase | SparseDecodeCase)
+                                or mc.case.op == "sparse_pipeline")
+        assert ("persistent" in mc.markers) == decodes_persistently, mc.id
+
+
+def test_sparse_path_stages_and_boundaries(union: list[MatrixCase]) -> None:
+    """The V3.2 sparse path: every stage at V3.2's sizes (64 indexer heads, topk 2048, 64 and
+    128 attention heads), MTP, both top-k forms and index layouts, large pools in nightly."""
+    by_op: dict[str, list] = {}
+    for mc in union:
+        by_op.setdefault(mc.case.op, []).append(mc.case)
+    assert {c.num_heads for c in by_op["mqa_logits"]} >= {32, 64}
+    assert any(c.next_n == 2 for c in by_op["paged_mqa_logits"])
+    assert {c.form for c in by_op["topk_indices"]} == {"decode", "prefill"}
+    assert any(c.topk == 2048 for c in by_op["topk_indices"])
+    assert {c.index_layout for c in by_op["index_conversion"]} == {"row_major", "ragged"}
+    assert {c.num_heads for c in by_op["mla_sparse_prefill"]} >= {64, 128}
+    assert any(c.empty_rows for c in by_op["mla_sparse_prefill"])
+    assert any(c.total_q >= 2048 for c in by_op["mla_sparse_prefill"])
+    for op in ("paged_mqa_logits", "sparse_pipeline"):
+        offsets = {c.placement.offset_bytes for c in by_op[op] if c.placement.kind == "high"}
+        assert offsets >= {TWO_31, TWO_32}, op
 
 
 def test_matrices_nest_and_premerge_runs_everywhere() -> None:
