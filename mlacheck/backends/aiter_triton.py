@@ -12,6 +12,7 @@ check of the installed function:
 | mla_sparse_decode | `unified_attention_sparse_mla.unified_attention_sparse_mla` |
 | paged_prefill | `extend_attention.extend_attention_fwd` (SGLang's extend: q/k 192, v 128) |
 | mla_decode (`aiter-triton-rope`) | `mla_decode_rope.decode_attention_fwd_grouped_rope` |
+| mqa_logits, paged_mqa_logits | the V3.2 indexer: `fp8_mqa_logits`, `pa_mqa_logits` (aiter_triton_indexer) |
 
 How cases the kernels cannot take in one launch still run (the verdict's `implementation`
 says which): `mla_decode_fwd` takes one q_len per launch, so a batch mixing q_len runs as one
@@ -52,6 +53,7 @@ import torch
 
 from mlacheck import layouts
 from mlacheck.backends import aiter_triton_compat as compat
+from mlacheck.backends import aiter_triton_indexer
 from mlacheck.backends.base import Capability, CaseRule, Output, Range
 from mlacheck.backends.toolkit import (  # topk_to_global_slots: re-exported (tests, users)
     lse_natural,
@@ -401,6 +403,9 @@ def load() -> Loaded | str:
     _import_op(Op.SPARSE_DECODE, loaded, {"sparse": MOD_SPARSE})
     _import_op("mla_decode_rope", loaded, {"rope": MOD_ROPE})
     _import_op(Op.PAGED_PREFILL, loaded, {"extend": MOD_EXTEND})
+    root = _aiter_dir()
+    assert root is not None
+    aiter_triton_indexer.load_into(loaded, root)  # the V3.2 indexer (mqa_logits, paged)
     try:
         loaded.modules["types"] = importlib.import_module(MOD_TYPES)
     except Exception as e:  # only needed for AITER's own FP8 choice on ROCm
@@ -543,6 +548,9 @@ class AiterTritonBackend:
                       "each segment's context through its slots in the K/V pools (viewed as "
                       "flat tokens, no copy), its new tokens from the ragged K/V; causal or "
                       "not; soft cap as logit_cap; no LSE.")
+        if "mqa_logits" in ops:  # the V3.2 indexer: GPU only (fp8 is not interpreted here)
+            gpu = ("cuda",) if torch.cuda.is_available() or compat.compile_only() else ()
+            caps.update(aiter_triton_indexer.capabilities(problems, gpu, self._fp8_format(got)))
         return caps
 
     def run(self, case: Case, inputs: Inputs) -> Output:
@@ -550,6 +558,9 @@ class AiterTritonBackend:
         if isinstance(got, str):
             raise RuntimeError(got)
         with torch.no_grad():
+            if case.op in aiter_triton_indexer.ENTRIES:
+                self._require(got, case.op)
+                return aiter_triton_indexer.run(got, case, inputs)
             if isinstance(inputs, PrefillInputs):
                 if inputs.case.paging is not None:
                     return self._paged_prefill(got, inputs)
@@ -567,7 +578,8 @@ class AiterTritonBackend:
         if self.decode_entry == "grouped_rope":
             return {Op.DECODE: "mla_decode_rope"}
         return {Op.DECODE: Op.DECODE, Op.PREFILL: Op.PREFILL,
-                Op.SPARSE_DECODE: Op.SPARSE_DECODE, Op.PAGED_PREFILL: Op.PAGED_PREFILL}
+                Op.SPARSE_DECODE: Op.SPARSE_DECODE, Op.PAGED_PREFILL: Op.PAGED_PREFILL,
+                Op.MQA_LOGITS: Op.MQA_LOGITS, Op.PAGED_MQA_LOGITS: Op.PAGED_MQA_LOGITS}
 
     @staticmethod
     def _fp8_format(got: Loaded) -> str:

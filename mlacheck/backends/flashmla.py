@@ -23,6 +23,11 @@ vary. Pages stay where they are, any page size, so `indices` are the pool's glob
 passed). A query row with no valid index gets LSE +inf from FlashMLA (and output 0):
 converted to mlacheck's -inf for exactly those rows (`lse_empty_rows`).
 
+mla_sparse_prefill (V3.2 prefill, `flash_mla_sparse_fwd`): bf16 q [T, H, 576] over the flat
+latent KV [N, 1, 576] with per-token global row indices [T, 1, topk] (-1 padded); returns out,
+max_logits and the natural-log LSE, +inf (max_logits -inf) for a row without a valid index,
+read as mlacheck's -inf for exactly those rows.
+
 What it does not take (SKIP with the reason): FP8 dense caches (sm_90 dense decode is
 bf16/fp16 only), pools in a non-linear layout (repacking one would claim a layout the kernel
 never saw); for the sparse decode anything but bf16 q over an fp8_e4m3fn pool with a unit
@@ -51,7 +56,8 @@ from mlacheck.backends.toolkit import (
 )
 from mlacheck.inputs import DecodeInputs, Inputs, generator
 from mlacheck.kvcache import KVPool, repaged
-from mlacheck.spec import Case, DecodeCase, Op, SparseDecodeCase
+from mlacheck.pipeline_inputs import SparsePrefillInputs
+from mlacheck.spec import Case, DecodeCase, Op, SparseDecodeCase, SparsePrefillCase
 
 MODULE = "flash_mla"
 DISTRIBUTIONS = ("flash_mla", "flash-mla")
@@ -74,6 +80,19 @@ CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
     "flash_mla_with_kvcache": (
         "q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata",
         "softmax_scale", "causal", "is_fp8_kvcache", "indices"),
+    "flash_mla_sparse_fwd": ("q", "kv", "indices", "sm_scale", "d_v"),
+}
+DECODE_FUNCTIONS = ("get_mla_metadata", "flash_mla_with_kvcache")
+
+# Sparse prefill (csrc/api/sparse_fwd.h, sm_90): bf16 q [s_q, h_q, 576] and kv [s_kv, 1, 576],
+# h_q 64 or 128, topk a multiple of 128 (the kernel's index block; measured on the H100 at
+# 128 / 512 / 2048: docs/flashmla.md).
+SPARSE_PREFILL_HEADS = (64, 128)
+SPARSE_PREFILL_TOPK_MULTIPLE = 128
+SPARSE_PREFILL_REASONS = {
+    "q_formats": "flash_mla_sparse_fwd takes bf16 q and kv",
+    "kv_formats": "flash_mla_sparse_fwd takes bf16 q and kv",
+    "head_counts": "FlashMLA's sm_90 sparse prefill: h_q 64 or 128",
 }
 
 SPARSE_REASONS = {
@@ -120,8 +139,9 @@ class FlashMLABackend(LibraryAdapter):
         got = self.loaded()
         if isinstance(got, str):
             return {Op.DECODE: Capability(refusal=got),
-                    Op.SPARSE_DECODE: Capability(refusal=got)}
-        problem = got.first_problem(CALLED_PARAMETERS)
+                    Op.SPARSE_DECODE: Capability(refusal=got),
+                    Op.SPARSE_PREFILL: Capability(refusal=got)}
+        problem = got.first_problem(DECODE_FUNCTIONS)
         return {
             **{op: Capability(refusal=why) for op, why in PREFILL_REFUSALS.items()},
             Op.DECODE: Capability(
@@ -144,12 +164,22 @@ class FlashMLABackend(LibraryAdapter):
                       "(per-token x 128-channel power-of-two scales); indices = global slots, "
                       "-1 padded; any page size; LSE natural log, +inf of rows without a valid "
                       "index read as -inf; one call per q_len"),
+            Op.SPARSE_PREFILL: Capability(
+                q_formats=("bf16",), kv_formats=("bf16",), head_counts=SPARSE_PREFILL_HEADS,
+                empty_requests=True, devices=("cuda",), reasons=SPARSE_PREFILL_REASONS,
+                refusal=got.first_problem(("flash_mla_sparse_fwd",)),
+                rules=(_v32_dims, _sparse_prefill_topk),
+                notes="flash_mla_sparse_fwd over the flat latent KV; (out, max_logits, lse): "
+                      "LSE natural log, +inf (and max_logits -inf) of rows without a valid "
+                      "index read as -inf"),
         }
 
     def run(self, case: Case, inputs: Inputs) -> Output:
         got = self.loaded()
         if isinstance(got, str):
             raise RuntimeError(got)
+        if case.op == Op.SPARSE_PREFILL:
+            return self._sparse_prefill(got, case, inputs)  # type: ignore[arg-type]
         assert isinstance(inputs, DecodeInputs)
         if case.op == Op.SPARSE_DECODE:
             return self._sparse(got, case, inputs)  # type: ignore[arg-type]
@@ -210,6 +240,29 @@ class FlashMLABackend(LibraryAdapter):
                           "pow2_shift_min": cache.shift_min, "pow2_shift_max": cache.shift_max,
                           "tiles_kept": cache.tiles_kept}}}
         return Output(out, lse, metadata=meta)
+
+
+    def _sparse_prefill(self, got: Loaded, case: SparsePrefillCase,
+                        inputs: SparsePrefillInputs) -> Output:
+        """flash_mla_sparse_fwd(q [T, H, 576], kv [N, 1, 576], indices [T, 1, topk] global rows,
+        -1 padded) -> (out [T, H, 512], max_logits [T, H], lse [T, H]): its own buffers,
+        copied into the guarded output."""
+        out, max_logits, lse = got.module.flash_mla_sparse_fwd(
+            q=inputs.q.stored.contiguous(), kv=inputs.kv.stored.contiguous(),
+            indices=inputs.indices.contiguous(), sm_scale=case.softmax_scale,
+            d_v=case.dims.kv_lora_rank)
+        target = inputs.out.out
+        if tuple(out.shape) != tuple(target.shape):
+            raise ValueError(f"flash_mla_sparse_fwd returned out {tuple(out.shape)}, expected "
+                             f"{tuple(target.shape)}")
+        target.copy_(out)
+        empty = inputs.empty_rows
+        lse = lse_empty_rows(lse_tokens_heads(lse_natural(lse), case.total_q, case.num_heads),
+                             empty)
+        meta: dict[str, Any] = {"flashmla": {"version": got.version, "op": "flash_mla_sparse_fwd"}}
+        return Output(target, lse, metadata=meta, wrote_into_guarded=True,
+                      extra={"max_logits": lse_tokens_heads(max_logits.float(), case.total_q,
+                                                            case.num_heads)})
 
 
 @dataclass
@@ -305,6 +358,14 @@ def _v32_dims(case: Case) -> str | None:
     if (d.kv_lora_rank, d.qk_rope) != (V32_NOPE, V32_ROPE):
         return (f"the V3.2 cache is 512 NoPE + 64 RoPE channels, not {d.kv_lora_rank} + "
                 f"{d.qk_rope}")
+    return None
+
+
+def _sparse_prefill_topk(case: Case) -> str | None:
+    topk = case.topk  # type: ignore[union-attr]
+    if topk % SPARSE_PREFILL_TOPK_MULTIPLE:
+        return (f"topk {topk}: FlashMLA's sm_90 sparse prefill takes topk in multiples of "
+                f"{SPARSE_PREFILL_TOPK_MULTIPLE}")
     return None
 
 

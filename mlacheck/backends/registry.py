@@ -29,6 +29,7 @@ BUILTIN: dict[str, str] = {
     "flashinfer": "mlacheck.backends.flashinfer:factory",
     "flashinfer-fa3": "mlacheck.backends.flashinfer:fa3_factory",
     "flashmla": "mlacheck.backends.flashmla:factory",
+    "deepgemm": "mlacheck.backends.deepgemm:factory",
 }
 
 # Used by `mlacheck run` when no backend is named: runs everywhere, CPU included. The AITER

@@ -48,6 +48,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
 
 
 FLASH_MLA_SPARSE_BUGS = ("ignores-tile-scales", "tile0-scale-for-all", "minus-one-reads-token-0")
+# Planted in flash_mla_sparse_fwd (sparse prefill).
+FLASH_MLA_SPARSE_PREFILL_BUGS = ("minus-one-reads-token-0", "max-logits-unscaled")
 V32_BYTES = 656  # 512 fp8 NoPE + 4 fp32 scales + 64 bf16 RoPE (flash_mla_interface.py)
 
 
@@ -135,8 +137,37 @@ def fake_flash_mla(bug: str = "") -> types.ModuleType:
         return (out.to(torch.bfloat16).reshape(b, s_q, h, head_dim_v),
                 lse.reshape(b, s_q, h).transpose(1, 2))
 
+    def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None,  # noqa: ANN001, ANN202
+                             topk_length=None):
+        """csrc/api/sparse_fwd.h's sm_90 checks, then sparse prefill in fp32: (out bf16
+        [s_q, h_q, d_v], max_logits [s_q, h_q], lse [s_q, h_q]); a row without a valid index
+        gets out 0, lse +inf, max_logits -inf (FlashMLA's tests/ref.py)."""
+        s_q, h, d = q.shape
+        assert q.dtype == torch.bfloat16 and kv.dtype == torch.bfloat16, "bf16 q and kv"
+        assert h in (64, 128), f"Unsupported h_q: {h}"
+        assert kv.dim() == 3 and kv.shape[1] == 1 and kv.shape[2] == d == 576
+        assert indices.dtype == torch.int32 and indices.shape[:2] == (s_q, 1)
+        assert indices.shape[2] % 128 == 0, "topk must be a multiple of 128"
+        keys_all = kv[:, 0].float()
+        idx = indices[:, 0].long()
+        if bug == "minus-one-reads-token-0":
+            idx = idx.masked_fill(idx == -1, 0)
+        valid = (idx >= 0) & (idx < kv.shape[0])  # -1 or >= s_kv: invalid
+        keys = torch.where(valid[..., None], keys_all[idx.clamp(0, kv.shape[0] - 1)], 0.0)
+        logits = torch.einsum("thd,tkd->thk", q.float(), keys) * sm_scale
+        if bug == "max-logits-unscaled":
+            raw_max = (logits / sm_scale).masked_fill(~valid[:, None, :], float("-inf")).amax(-1)
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+        mx = logits.amax(-1) if bug != "max-logits-unscaled" else raw_max
+        lse = torch.logsumexp(logits, -1)
+        lonely = torch.isneginf(lse)
+        p = torch.exp(logits - lse.masked_fill(lonely, 0.0)[..., None])
+        out = torch.einsum("thk,tkd->thd", p, keys[..., :d_v]).masked_fill(lonely[..., None], 0.0)
+        return out.to(torch.bfloat16), mx, lse.masked_fill(lonely, float("inf"))
+
     mod.get_mla_metadata = get_mla_metadata
     mod.flash_mla_with_kvcache = flash_mla_with_kvcache
+    mod.flash_mla_sparse_fwd = flash_mla_sparse_fwd
     return mod
 
 
@@ -324,3 +355,76 @@ def on_cpu(backend: Any) -> Any:
     backend.capabilities = capabilities
     backend.unavailable = lambda: None
     return backend
+
+
+# --------------------------------------------------------------------------- deep_gemm
+
+DEEP_GEMM_BUGS = ("no-relu", "scale-of-next-key")
+
+
+def fake_deep_gemm(bug: str = "") -> types.ModuleType:
+    """DeepGEMM 54e2261's indexer API (csrc/apis/attention.hpp: sm_90's asserts, keyword
+    names), computed in fp32: fp8_mqa_logits (clean_logits writes -inf outside each window),
+    get_paged_mqa_logits_metadata, fp8_paged_mqa_logits (2-D context lens; columns past a
+    row's length hold garbage: NaN here)."""
+    mod = types.ModuleType("deep_gemm")
+    mod.__version__ = "2.6.1+fake"
+
+    def logits(q, k, s, w):  # noqa: ANN001, ANN202
+        scores = torch.einsum("thd,sd->ths", q.float(), k.float()) * s.float()
+        if bug != "no-relu":
+            scores = scores.clamp(min=0)
+        return torch.einsum("ths,th->ts", scores, w.float())
+
+    def check_q(q: torch.Tensor) -> None:
+        assert q.dtype == torch.float8_e4m3fn and q.is_contiguous()
+        assert q.shape[-2] in (32, 64), "sm_90: num_heads 32 or 64"
+        assert q.shape[-1] in (32, 64, 128)
+
+    def fp8_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end,  # noqa: ANN001, ANN202
+                       clean_logits=True, max_seqlen_k=0):
+        check_q(q)
+        k, sf = kv
+        assert k.dtype == torch.float8_e4m3fn and sf.dtype == torch.float32
+        assert weights.dtype == torch.float32 and weights.stride(1) == 1
+        assert cu_seq_len_k_start.dtype == cu_seq_len_k_end.dtype == torch.int32
+        if bug == "scale-of-next-key":
+            sf = sf.roll(-1)
+        out = logits(q, k, sf, weights)
+        col = torch.arange(k.shape[0])[None, :]
+        inside = (col >= cu_seq_len_k_start.long()[:, None]) & (col < cu_seq_len_k_end.long()[:, None])
+        return out.masked_fill(~inside, float("-inf") if clean_logits else float("nan"))
+
+    def get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices=None):  # noqa: ANN001, ANN202
+        assert context_lens.dim() == 2 and context_lens.dtype == torch.int32
+        assert block_kv == 64, "sm_90: block_kv 64"
+        return torch.zeros(num_sms + 1, 2, dtype=torch.int32)
+
+    def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta,  # noqa: ANN001, ANN202
+                             max_context_len, clean_logits=False, indices=None):
+        check_q(q)
+        b, nn, h, d = q.shape
+        pages, ps, one, width = kv_cache.shape
+        assert ps == 64 and one == 1 and width == d + 4 and kv_cache.dtype == torch.uint8
+        assert context_lens.shape == (b, nn) and context_lens.dtype == torch.int32
+        assert block_table.dtype == torch.int32 and schedule_meta.dtype == torch.int32
+        assert not clean_logits, "clean_logits needs 1-D context lens"
+        flat = kv_cache.reshape(pages, -1)
+        values = flat[:, : ps * d].contiguous().view(torch.float8_e4m3fn).view(pages, ps, d)
+        scales = flat[:, ps * d:].contiguous().view(torch.float32).view(pages, ps)
+        out = torch.full((b * nn, max_context_len), float("nan"))
+        for r in range(b):
+            for j in range(nn):
+                n = int(context_lens[r, j])
+                pg = block_table[r, : -(-n // ps)].long()
+                k = values[pg].reshape(-1, d)[:n]
+                s = scales[pg].reshape(-1)[:n]
+                if bug == "scale-of-next-key":
+                    s = scales[pg].reshape(-1).roll(-1)[:n]
+                out[r * nn + j, :n] = logits(q[r, j:j + 1], k, s, weights[r * nn + j:r * nn + j + 1])[0]
+        return out
+
+    mod.fp8_mqa_logits = fp8_mqa_logits
+    mod.get_paged_mqa_logits_metadata = get_paged_mqa_logits_metadata
+    mod.fp8_paged_mqa_logits = fp8_paged_mqa_logits
+    return mod
