@@ -145,3 +145,69 @@ def _num_sms(device: torch.device) -> int:
 
 def factory() -> DeepGemmBackend:
     return DeepGemmBackend()
+
+
+# --------------------------------------------------------------------------- composed path
+
+
+class DeepGemmFlashMLAPipeline(LibraryAdapter):
+    """`deepgemm-flashmla`: the DeepSeek-V3.2 decode path as it runs on NVIDIA: DeepGEMM's
+    paged indexer logits -> top-k (mlacheck's torch top-k: the top-k kernel vLLM uses on CUDA
+    lives in vLLM itself) -> global slots through the block table -> FlashMLA's sparse FP8
+    decode. Each stage's adapter is the same code its own op uses; the verdict judges the
+    selection and the attention (docs/sparse-pipeline.md)."""
+
+    def __init__(self, name: str = "deepgemm-flashmla") -> None:
+        self.name = name
+        self.deepgemm = DeepGemmBackend()
+        from mlacheck.backends.flashmla import FlashMLABackend
+
+        self.flashmla = FlashMLABackend()
+
+    def import_library(self) -> Loaded | str:
+        got = self.deepgemm.loaded()
+        flash = self.flashmla.loaded()
+        if isinstance(flash, str):
+            return flash
+        return got
+
+    def version(self) -> str:
+        return f"{self.deepgemm.version()} + {self.flashmla.version()}"
+
+    def machine_refusal(self) -> str | None:
+        return self.deepgemm.machine_refusal()
+
+    def capabilities(self) -> dict[str, Capability]:
+        logits = self.deepgemm.capabilities().get("paged_mqa_logits")
+        attention = self.flashmla.capabilities().get("mla_sparse_decode")
+        refusal = next((c.refusal for c in (logits, attention) if c is not None and c.refusal),
+                       None)
+
+        def stages(case: Case) -> str | None:
+            idx, att = case.indexer_case(), case.attention_case()  # type: ignore[union-attr]
+            for cap, sub in ((logits, idx), (attention, att)):
+                why = cap.why_not(sub, "cuda") if cap is not None else "stage not provided"
+                if why:
+                    return why
+            return None
+
+        return {"sparse_pipeline": Capability(
+            devices=("cuda",), refusal=refusal, rules=(stages,), empty_requests=False,
+            notes="DeepGEMM fp8_paged_mqa_logits -> torch top-k -> FlashMLA sparse decode")}
+
+    def run(self, case: Case, inputs: Any) -> Output:
+        from mlacheck.backends import torch_pipeline as tp
+
+        idx = inputs.indexer
+        res = self.deepgemm.run(case.indexer_case(), idx)  # type: ignore[union-attr]
+        local = tp.topk_local(res.out, idx.row_visible, case.topk)  # type: ignore[union-attr]
+        twin = inputs.attention_with(local)
+        out = self.flashmla.run(case.attention_case(), twin)  # type: ignore[union-attr]
+        out.extra["slots"] = tp.global_slots(inputs, local)
+        out.metadata["deepgemm"] = res.metadata.get("deepgemm", {})
+        out.metadata["topk"] = "torch.topk over DeepGEMM's logits"
+        return out
+
+
+def pipeline_factory() -> DeepGemmFlashMLAPipeline:
+    return DeepGemmFlashMLAPipeline()

@@ -30,6 +30,7 @@ BUILTIN: dict[str, str] = {
     "flashinfer-fa3": "mlacheck.backends.flashinfer:fa3_factory",
     "flashmla": "mlacheck.backends.flashmla:factory",
     "deepgemm": "mlacheck.backends.deepgemm:factory",
+    "deepgemm-flashmla": "mlacheck.backends.deepgemm:pipeline_factory",
 }
 
 # Used by `mlacheck run` when no backend is named: runs everywhere, CPU included. The AITER

@@ -13,7 +13,10 @@ naming the file and the problem in one line):
     shared: {...}                       # optional, ignored: a place to define YAML anchors
     groups:
       - name: decode-page-sizes         # unique in the file; shown in errors and reports
-        kind: prefill | decode | sparse # PrefillCase | DecodeCase | SparseDecodeCase
+        kind: prefill | decode | sparse # PrefillCase | DecodeCase | SparseDecodeCase, or a
+                                        # DeepSeek-V3.2 sparse-path kind: indexer,
+                                        # indexer_paged, topk, index_conversion,
+                                        # sparse_prefill, sparse_pipeline (spec.py)
         covers: [6, 11]                 # optional: bug classes (mlacheck/bugclasses.py) the group targets
         base: {field: value, ...}       # fields shared by every case of the group
         axes: {field: [v1, v2], ...}    # cartesian product over the listed values

@@ -64,3 +64,28 @@ def test_no_deep_gemm_import_and_a_skip_without_it() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.splitlines()
     assert out[0].startswith("deep_gemm not installed") and out[1] == "False"
+
+
+def test_the_composed_nvidia_path_passes_where_both_kernels_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """deepgemm-flashmla: DeepGEMM's paged logits -> top-k -> FlashMLA's sparse decode (both
+    fakes): the premerge pipeline cases on V3.2's inputs PASS, the others SKIP naming the
+    stage that refuses them; a DeepGEMM fault shows as a wrong selection."""
+    from _nvidia_fakes import fake_flash_mla
+
+    from mlacheck.backends.deepgemm import DeepGemmFlashMLAPipeline
+
+    install(monkeypatch, {"deep_gemm": fake_deep_gemm(), "flash_mla": fake_flash_mla()})
+    b = on_cpu(DeepGemmFlashMLAPipeline())
+    b.deepgemm, b.flashmla = on_cpu(b.deepgemm), on_cpu(b.flashmla)
+    cases = [mc.case for mc in load("premerge").cases if mc.case.op == "sparse_pipeline"]
+    got = {c.id: run_case(c, b) for c in cases}
+    passed = [i for i, v in got.items() if v.status == PASS]
+    assert len(passed) >= 2, {i: v.summary() for i, v in got.items()}
+    for v in got.values():
+        assert v.status in (PASS, SKIP), v.summary()
+    install(monkeypatch, {"deep_gemm": fake_deep_gemm("no-relu"), "flash_mla": fake_flash_mla()})
+    bad = on_cpu(DeepGemmFlashMLAPipeline())
+    bad.deepgemm, bad.flashmla = on_cpu(bad.deepgemm), on_cpu(bad.flashmla)
+    v = run_case(next(c for c in cases if c.id == passed[0]), bad)
+    assert v.status == FAIL and "selection" in {c.name for c in v.failed_checks}, v.summary()
