@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from mlacheck import footprint
-from mlacheck.spec import Case, PrefillCase, SparseDecodeCase
+from mlacheck.spec import PIPELINE_OPS, Case, Op, PrefillCase, SparseDecodeCase
 
 # Per item whatever its size: the pytest item, the verdict line, admission, the checksum of the
 # shared inputs. The H100 nightly's small cases took ~0.1 s per item (1041 items, 99.7 s on
@@ -35,7 +35,8 @@ REF_FLOP_S = {"cuda": 5 / 28e12, "cpu": 5 / 20e9}
 # baseline's numerics; library kernels (KERNEL_SPEEDUP) are much faster than that.
 KERNEL_FLOP_S = {"cuda": 3 / 28e12, "cpu": 3 / 20e9}
 KERNEL_SPEEDUP = {"aiter": 10.0, "aiter-nonpersistent": 10.0, "aiter-triton": 10.0,
-                  "flashinfer": 10.0, "flashinfer-fa3": 10.0, "flashmla": 10.0}
+                  "flashinfer": 10.0, "flashinfer-fa3": 10.0, "flashmla": 10.0,
+                  "deepgemm": 10.0, "deepgemm-flashmla": 10.0}
 # Seconds per output element judged: about a dozen fp64 passes (row errors against the exact
 # and the unquantised golden, for the kernel and the baseline, norms, cosine, finiteness),
 # run where the output is in row slices (mlacheck.judge.SLICE_ELEMENTS). CPU: 2.5e-8 s per
@@ -46,6 +47,8 @@ JUDGE_ELEMENT_S = {"cuda": 12 * 16 / 2e12, "cpu": 12 * 2.5e-8}
 def attention_flops(case: Case) -> float:
     """Multiply-adds x 2 of one attention pass over the case (causal prefill: the visible
     triangle only)."""
+    if case.op in PIPELINE_OPS:
+        return _pipeline_flops(case)
     d, h = case.dims, case.num_heads
     if isinstance(case, PrefillCase):
         width = d.qk_head + d.v_head
@@ -62,7 +65,43 @@ def attention_flops(case: Case) -> float:
     return 2.0 * pairs * h * width
 
 
+def _pipeline_flops(case: Case) -> float:
+    """The sparse-pipeline ops (docs/sparse-pipeline.md): logits (and their magnitudes) over
+    every row's window, the selections' attention, a sort for top-k."""
+    op = case.op
+    vis = case.visible_lengths  # type: ignore[union-attr]
+    if op in (Op.MQA_LOGITS, Op.PAGED_MQA_LOGITS):
+        return 4.0 * sum(vis) * case.num_heads * case.head_dim  # type: ignore[union-attr]
+    if op == Op.TOPK:
+        return 20.0 * sum(vis)
+    if op == Op.INDEX_CONVERSION:
+        return 10.0 * case.total_q * case.topk  # type: ignore[union-attr]
+    d = case.dims  # type: ignore[union-attr]
+    pairs = sum(min(case.topk, v) for v in vis)  # type: ignore[union-attr]
+    attention = 2.0 * pairs * case.num_heads * (d.latent + d.kv_lora_rank)
+    if op == Op.SPARSE_PIPELINE:
+        attention += 4.0 * sum(vis) * case.index_heads * case.index_head_dim  # type: ignore[union-attr]
+    return attention
+
+
+def _pipeline_outputs(case: Case) -> int:
+    op = case.op
+    if op == Op.MQA_LOGITS:
+        return case.total_q * case.total_kv  # type: ignore[union-attr]
+    if op in (Op.PAGED_MQA_LOGITS, Op.TOPK):
+        width = case.total_kv if getattr(case, "form", "") == "prefill" else max(case.kv_lengths)  # type: ignore[union-attr]
+        return case.total_q * width  # type: ignore[union-attr]
+    if op == Op.INDEX_CONVERSION:
+        return case.total_q * case.topk  # type: ignore[union-attr]
+    out = case.total_q * case.num_heads * case.dims.kv_lora_rank  # type: ignore[union-attr]
+    if op == Op.SPARSE_PIPELINE:
+        out += case.total_q * max(case.kv_lengths)  # type: ignore[union-attr]
+    return out
+
+
 def output_elements(case: Case) -> int:
+    if case.op in PIPELINE_OPS:
+        return _pipeline_outputs(case)
     return case.total_q * case.num_heads * case.out_width
 
 

@@ -196,9 +196,11 @@ def _localise_further(v: Verdict, inputs: Inputs, output: Output, gold: Result,
     the heat map's data. Never decides the verdict: a failure here is noted, nothing more."""
     try:
         axis = v.metrics.get("axis")
-        if rerun is not None and axis in PROBED_AXES:
+        # (the sparse-pipeline ops localise by their own rules: mlacheck.pipeline_judge)
+        if rerun is not None and axis in PROBED_AXES and v.op not in PIPELINE_OPS:
             refine_diagnosis(v, inputs, gold, probes.collect(inputs, rerun, axis in ALONE_AXES))
-        if tuple(output.out.shape) == tuple(gold.out.shape):
+        if (output.out.dim() == 3  # the heat map's [T, H] rows: attention outputs only
+                and tuple(output.out.shape) == tuple(gold.out.shape)):
             v.metrics.update(heatmap.metrics(by_rows(
                 row_errors, output.out.detach(), gold.out.detach().to(output.out.device))))
     except Exception as e:  # noqa: BLE001 - localisation never decides a verdict

@@ -8,9 +8,13 @@ Every case answers the same questions the same way, whatever its kind, so reader
 (capabilities, footprint, boundaries, localisation, backends) need not branch on the case
 type for shared facts: `op` (mlacheck.ops.Op), `units` (its segments or requests: each has
 `q_len` and `kv_len`), `unit_name`, `q_lengths`, `kv_lengths`, `total_q`, `total_kv`,
-`max_q_len`, `has_empty`, `paging` (page size and layout; None for an unpaged prefill),
-`page_token_values` (the values one token takes in a page of its pool) and `out_width` (Dv
-of the output [T, H, Dv]).
+`max_q_len`, `has_empty`, `paging` (page size and layout; None without a paged pool); the
+attention ops' cases also `page_token_values` (the values one token takes in a page of its
+pool) and `out_width` (Dv of the output [T, H, Dv]).
+
+The attention ops' cases (PrefillCase, DecodeCase, SparseDecodeCase) come first; the
+DeepSeek-V3.2 sparse path's (indexer logits, top-k, index conversion, sparse prefill, the path
+composed: docs/sparse-pipeline.md) after them, under "sparse pipeline".
 """
 
 from __future__ import annotations
