@@ -1003,8 +1003,11 @@ def _digest(text: str) -> str:
 
 # The fields a case cannot do without: its batch. A case JSON without one would silently be
 # the default batch (`dec-b1-kv256`), another case than the one meant.
-REQUIRED: dict[str, tuple[str, ...]] = {"prefill": ("segments",), "decode": ("requests",),
-                                        "sparse": ("requests",)}
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "prefill": ("segments",), "decode": ("requests",), "sparse": ("requests",),
+    "indexer": ("segments",), "indexer_paged": ("requests",), "topk": ("requests",),
+    "index_conversion": ("requests",), "sparse_prefill": ("segments",),
+    "sparse_pipeline": ("requests",)}
 # The fields of one segment / request: each an integer (q_len required; context_len 0).
 _UNIT_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "segments": (("q_len", "context_len"), ("q_len",)),

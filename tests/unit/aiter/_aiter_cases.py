@@ -10,7 +10,7 @@ import pytest
 
 from mlacheck.backends.aiter import MODEL_MODULE, AiterAdapter
 from mlacheck.harness import run_case
-from mlacheck.spec import Case, DecodeCase, PrefillCase, SparseDecodeCase
+from mlacheck.spec import PIPELINE_OPS, Case, DecodeCase, PrefillCase, SparseDecodeCase
 from mlacheck.verdict import Verdict
 
 GFX_ENV = "MLACHECK_AITER_MODEL_GFX"  # the chip the AITER model pretends to be
@@ -43,6 +43,8 @@ def cost(case: Case) -> int:
         return sum(s.q_len * s.kv_len for s in case.segments) * case.num_heads
     if isinstance(case, SparseDecodeCase):
         return case.total_q * min(case.topk, max(r.kv_len for r in case.requests)) * case.num_heads
+    if case.op in PIPELINE_OPS:  # the sparse path: every row against its unit's keys
+        return sum(q * kv for q, kv in zip(case.q_lengths, case.kv_lengths, strict=True)) * case.num_heads
     assert isinstance(case, DecodeCase)
     return sum(r.q_len * r.kv_len for r in case.requests) * case.num_heads
 

@@ -12,7 +12,7 @@ import pytest
 from mlacheck.backends.registry import resolve
 from mlacheck.harness import run_case
 from mlacheck.matrices import load
-from mlacheck.spec import PrefillCase
+from mlacheck.spec import PIPELINE_OPS, PrefillCase
 from mlacheck.verdict import PASS, SKIP
 
 CI_SEEDS = (1, 2)  # seeds offsets for CI; the full check uses 20
@@ -32,7 +32,10 @@ def cost(case) -> int:  # noqa: ANN001
 @pytest.mark.parametrize("variant", ["torch-split", "torch-reverse"])
 def test_correct_variants_never_fail(variant: str, seed: int) -> None:
     backend = resolve(variant)
-    cases = sorted((mc.case for mc in load("premerge", seed).cases), key=cost)[:CI_CASES]
+    # the attention ops (the variants reorder attention's accumulation; the sparse pipeline's
+    # own no-false-alarm checks are in tests/unit/sparse)
+    attention = (mc.case for mc in load("premerge", seed).cases if mc.case.op not in PIPELINE_OPS)
+    cases = sorted(attention, key=cost)[:CI_CASES]
     verdicts = [run_case(c, backend) for c in cases]
     bad = [v.summary() for v in verdicts if v.status not in (PASS, SKIP)]
     assert not bad, "\n".join(bad)
