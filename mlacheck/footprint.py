@@ -15,6 +15,7 @@ from typing import Any
 
 from mlacheck import kvcache
 from mlacheck.golden.core import SCORE_BLOCK_BYTES
+from mlacheck.ops import Op
 from mlacheck.spec import FORMAT_BYTES, PIPELINE_OPS, Case, PrefillCase
 
 FP32 = 4
@@ -138,9 +139,9 @@ def _pipeline(case: Any) -> Footprint:
                      att.references + idx.references + gathered)
 
 
-_PIPELINE_ESTIMATES = {"mqa_logits": _indexer, "paged_mqa_logits": _paged_indexer,
-                       "topk_indices": _topk, "index_conversion": _conversion,
-                       "mla_sparse_prefill": _sparse_prefill, "sparse_pipeline": _pipeline}
+_PIPELINE_ESTIMATES = {Op.MQA_LOGITS: _indexer, Op.PAGED_MQA_LOGITS: _paged_indexer,
+                       Op.TOPK: _topk, Op.INDEX_CONVERSION: _conversion,
+                       Op.SPARSE_PREFILL: _sparse_prefill, Op.SPARSE_PIPELINE: _pipeline}
 
 
 def available_bytes(device: str) -> int | None:

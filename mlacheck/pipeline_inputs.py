@@ -28,6 +28,7 @@ from mlacheck.inputs import (
     sparse_indices,
 )
 from mlacheck.kvcache import Guarded, PageTable
+from mlacheck.ops import Op
 from mlacheck.spec import (
     IndexConversionCase,
     IndexerCase,
@@ -473,12 +474,12 @@ def build_pipeline(case: SparsePipelineCase, device: torch.device | str = "cpu"
 # --------------------------------------------------------------------------- dispatch
 
 BUILDERS = {
-    "mqa_logits": build_indexer,
-    "paged_mqa_logits": build_paged_indexer,
-    "topk_indices": build_topk,
-    "index_conversion": build_conversion,
-    "mla_sparse_prefill": build_sparse_prefill,
-    "sparse_pipeline": build_pipeline,
+    Op.MQA_LOGITS: build_indexer,
+    Op.PAGED_MQA_LOGITS: build_paged_indexer,
+    Op.TOPK: build_topk,
+    Op.INDEX_CONVERSION: build_conversion,
+    Op.SPARSE_PREFILL: build_sparse_prefill,
+    Op.SPARSE_PIPELINE: build_pipeline,
 }
 
 PipelineOpInputs = (IndexerInputs | PagedIndexerInputs | TopkInputs | ConversionInputs

@@ -36,6 +36,7 @@ from mlacheck import tolerances as tol
 from mlacheck.backends.base import Output
 from mlacheck.golden import pipeline_ops
 from mlacheck.golden.topk import check_selection
+from mlacheck.ops import Op
 from mlacheck.spec import Case
 from mlacheck.verdict import Check, Verdict, Where, ranges
 
@@ -449,10 +450,10 @@ def _baseline_on_own_selection(inputs: Any, baseline: Output, gold: Any,
 
 
 _JUDGES = {
-    "mqa_logits": _logits,
-    "paged_mqa_logits": _logits,
-    "topk_indices": _topk,
-    "index_conversion": _conversion,
-    "mla_sparse_prefill": _sparse_prefill,
-    "sparse_pipeline": _pipeline,
+    Op.MQA_LOGITS: _logits,
+    Op.PAGED_MQA_LOGITS: _logits,
+    Op.TOPK: _topk,
+    Op.INDEX_CONVERSION: _conversion,
+    Op.SPARSE_PREFILL: _sparse_prefill,
+    Op.SPARSE_PIPELINE: _pipeline,
 }

@@ -751,7 +751,7 @@ class IndexConversionCase(_RowWindows, _CaseBase):
     sparse attention reads: row_major [tokens, topk] (-1 padded) or ragged (each token's
     valid slots back to back, with a [tokens + 1] indptr)."""
 
-    kind: ClassVar[str] = "index_conversion"
+    kind: ClassVar[str] = Op.INDEX_CONVERSION.value  # the kind is spelt as its op
     op: ClassVar[Op] = Op.INDEX_CONVERSION
     requests: tuple[Request, ...] = (Request(1, 300),)
     topk: int = 2048
@@ -846,7 +846,7 @@ class SparsePipelineCase(_RowWindows, _CaseBase):
     serving. The verdict judges the selection tie-aware against the golden logits and the
     attention against the golden attention on the implementation's own selection."""
 
-    kind: ClassVar[str] = "sparse_pipeline"
+    kind: ClassVar[str] = Op.SPARSE_PIPELINE.value  # the kind is spelt as its op
     op: ClassVar[Op] = Op.SPARSE_PIPELINE
     requests: tuple[Request, ...] = (Request(1, 300),)
     topk: int = 2048
@@ -1004,10 +1004,8 @@ def _digest(text: str) -> str:
 # The fields a case cannot do without: its batch. A case JSON without one would silently be
 # the default batch (`dec-b1-kv256`), another case than the one meant.
 REQUIRED: dict[str, tuple[str, ...]] = {
-    "prefill": ("segments",), "decode": ("requests",), "sparse": ("requests",),
-    "indexer": ("segments",), "indexer_paged": ("requests",), "topk": ("requests",),
-    "index_conversion": ("requests",), "sparse_prefill": ("segments",),
-    "sparse_pipeline": ("requests",)}
+    kind: ("segments",) if any(f.name == "segments" for f in dataclasses.fields(cls))
+    else ("requests",) for kind, cls in CASE_TYPES.items()}
 # The fields of one segment / request: each an integer (q_len required; context_len 0).
 _UNIT_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "segments": (("q_len", "context_len"), ("q_len",)),

@@ -107,7 +107,7 @@ CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
     ),
     "unified_attention_sparse_mla.unified_attention_sparse_mla": (
         "q", "kv", "out", "cu_seqlens_q", "max_seqlen_q", "seqused_k", "max_seqlen_k",
-        "softmax_scale", "topk_indices", "block_table", "kv_lora_rank",
+        "softmax_scale", "topk_indices", "block_table", "kv_lora_rank",  # names (not an op)
     ),
     "mla_decode_rope.decode_attention_fwd_grouped_rope": (
         "q", "k_buffer", "v_buffer", "o", "kv_indptr", "kv_indices", "k_pe_tokens",
@@ -548,7 +548,7 @@ class AiterTritonBackend:
                       "each segment's context through its slots in the K/V pools (viewed as "
                       "flat tokens, no copy), its new tokens from the ragged K/V; causal or "
                       "not; soft cap as logit_cap; no LSE.")
-        if "mqa_logits" in ops:  # the V3.2 indexer: GPU only (fp8 is not interpreted here)
+        if Op.MQA_LOGITS in ops:  # the V3.2 indexer: GPU only (fp8 is not interpreted here)
             gpu = ("cuda",) if torch.cuda.is_available() or compat.compile_only() else ()
             caps.update(aiter_triton_indexer.capabilities(problems, gpu, self._fp8_format(got)))
         return caps

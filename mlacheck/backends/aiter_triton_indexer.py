@@ -37,13 +37,14 @@ import torch
 from mlacheck.backends import aiter_triton_compat as compat
 from mlacheck.backends.base import Capability, Output
 from mlacheck.backends.toolkit import signature_problem
+from mlacheck.ops import Op
 from mlacheck.spec import Case
 
 MOD_FP8_MQA = "aiter.ops.triton.attention.fp8_mqa_logits"
 MOD_PA_MQA = "aiter.ops.triton.attention.pa_mqa_logits"
 OP_FILES: dict[str, tuple[str, ...]] = {
-    "mqa_logits": ("ops/triton/attention/fp8_mqa_logits.py",),
-    "paged_mqa_logits": ("ops/triton/attention/pa_mqa_logits.py",),
+    Op.MQA_LOGITS: ("ops/triton/attention/fp8_mqa_logits.py",),
+    Op.PAGED_MQA_LOGITS: ("ops/triton/attention/pa_mqa_logits.py",),
 }
 CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
     "fp8_mqa_logits.fp8_mqa_logits": ("Q", "KV", "kv_scales", "weights", "cu_starts", "cu_ends",
@@ -52,11 +53,11 @@ CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
         "q_fp8", "kv_cache", "weights", "out_logits", "context_lens", "kv_indices",
         "max_model_len", "Preshuffle", "KVBlockSize", "ChunkK"),
 }
-ENTRIES = {"mqa_logits": "fp8_mqa_logits.fp8_mqa_logits",
-           "paged_mqa_logits": "pa_mqa_logits.deepgemm_fp8_paged_mqa_logits"}
+ENTRIES = {Op.MQA_LOGITS: "fp8_mqa_logits.fp8_mqa_logits",
+           Op.PAGED_MQA_LOGITS: "pa_mqa_logits.deepgemm_fp8_paged_mqa_logits"}
 # The kernels each wrapper launches with AMD-only keywords (module attribute names).
-LAUNCHED_KERNELS = {"mqa_logits": (MOD_FP8_MQA, "_fp8_mqa_logits_kernel"),
-                    "paged_mqa_logits": (MOD_PA_MQA, "_deepgemm_fp8_paged_mqa_logits")}
+LAUNCHED_KERNELS = {Op.MQA_LOGITS: (MOD_FP8_MQA, "_fp8_mqa_logits_kernel"),
+                    Op.PAGED_MQA_LOGITS: (MOD_PA_MQA, "_deepgemm_fp8_paged_mqa_logits")}
 CHUNK_K = 256  # deepgemm_fp8_paged_mqa_logits' default
 
 
@@ -127,13 +128,13 @@ def _sm_count() -> int:
 def load_into(loaded: Any, root: Any) -> None:
     """Import both indexer modules into `loaded` (aiter_triton.Loaded): per op, the module or
     a one-line problem (a missing file, an import or signature failure)."""
-    for op, mod_name in (("mqa_logits", MOD_FP8_MQA), ("paged_mqa_logits", MOD_PA_MQA)):
+    for op, mod_name in ((Op.MQA_LOGITS, MOD_FP8_MQA), (Op.PAGED_MQA_LOGITS, MOD_PA_MQA)):
         missing = [f for f in OP_FILES[op] if not (root / f).is_file()]
         if missing:
             loaded.problems[op] = f"installed aiter {loaded.version} lacks aiter/{missing[0]}"
             continue
         try:
-            if op == "paged_mqa_logits" and not compat.on_rocm():
+            if op == Op.PAGED_MQA_LOGITS and not compat.on_rocm():
                 loaded.notes += install_import_shims()
             loaded.modules[op] = importlib.import_module(mod_name)
         except Exception as e:  # an AITER import failure is this op's SKIP reason
@@ -163,14 +164,14 @@ def capabilities(problems: dict[str, str], devices: tuple[str, ...],
                  fp8_format: str) -> dict[str, Capability]:
     fmt = (fp8_format,)
     return {
-        "mqa_logits": Capability(
+        Op.MQA_LOGITS: Capability(
             q_formats=fmt, kv_formats=fmt, per_token_scales=True, empty_requests=True,
-            rules=(_pow2_rule,), devices=devices, refusal=problems.get("mqa_logits"),
+            rules=(_pow2_rule,), devices=devices, refusal=problems.get(Op.MQA_LOGITS),
             notes="fp8_mqa_logits (clean_logits=True); off ROCm its launch keys filtered"),
-        "paged_mqa_logits": Capability(
+        Op.PAGED_MQA_LOGITS: Capability(
             q_formats=fmt, kv_formats=fmt, per_token_scales=True,
             page_sizes=tuple(2**i for i in range(9)), rules=(_pow2_rule,), devices=devices,
-            refusal=problems.get("paged_mqa_logits"),
+            refusal=problems.get(Op.PAGED_MQA_LOGITS),
             notes="deepgemm_fp8_paged_mqa_logits (Preshuffle=False, KVBlockSize = page size, "
                   "ChunkK 256; out_logits initialised to -inf); off ROCm: import shims and "
                   "launch keys filtered (aiter_triton_indexer)"),
@@ -195,7 +196,7 @@ def run(loaded: Any, case: Case, inputs: Any) -> Output:
     meta: dict[str, Any] = {"aiter_triton": {"patches": patches.describe(),
                                              "notes": list(loaded.notes)}}
     with patches:
-        if case.op == "mqa_logits":
+        if case.op == Op.MQA_LOGITS:
             q = inputs.query
             logits = mod.fp8_mqa_logits(Q=q.q, KV=inputs.keys.values, kv_scales=inputs.keys.scales,
                                         weights=q.weights, cu_starts=inputs.k_start,

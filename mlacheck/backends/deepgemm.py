@@ -29,6 +29,7 @@ import torch
 
 from mlacheck.backends.base import Capability, Output
 from mlacheck.backends.toolkit import LibraryAdapter, Loaded, cuda_refusal, load_library
+from mlacheck.ops import Op
 from mlacheck.spec import Case
 
 MODULE = "deep_gemm"
@@ -83,16 +84,16 @@ class DeepGemmBackend(LibraryAdapter):
     def capabilities(self) -> dict[str, Capability]:
         got = self.loaded()
         if isinstance(got, str):
-            return {op: Capability(refusal=got) for op in ("mqa_logits", "paged_mqa_logits")}
+            return {op: Capability(refusal=got) for op in (Op.MQA_LOGITS, Op.PAGED_MQA_LOGITS)}
         common: dict[str, Any] = dict(
             q_formats=("fp8_e4m3fn",), kv_formats=("fp8_e4m3fn",), per_token_scales=True,
             head_counts=SM90_HEADS, devices=("cuda",), reasons=REASONS)
         return {
-            "mqa_logits": Capability(
+            Op.MQA_LOGITS: Capability(
                 **common, empty_requests=True, rules=(_head_dim,),
                 refusal=got.first_problem(("fp8_mqa_logits",)),
                 notes="fp8_mqa_logits (clean_logits=True)"),
-            "paged_mqa_logits": Capability(
+            Op.PAGED_MQA_LOGITS: Capability(
                 **common, page_sizes=(SM90_BLOCK_KV,), rules=(_head_dim,),
                 refusal=got.first_problem(PAGED_FUNCTIONS),
                 notes="fp8_paged_mqa_logits with 2-D context lens (each row's own length); "
@@ -107,7 +108,7 @@ class DeepGemmBackend(LibraryAdapter):
         dg = got.module
         meta: dict[str, Any] = {"deepgemm": {"version": got.version}}
         out = inputs.out.out
-        if case.op == "mqa_logits":
+        if case.op == Op.MQA_LOGITS:
             q = inputs.query
             logits = dg.fp8_mqa_logits(
                 q=q.q.contiguous(), kv=(inputs.keys.values.contiguous(),
@@ -116,7 +117,7 @@ class DeepGemmBackend(LibraryAdapter):
                 cu_seq_len_k_end=inputs.k_end.contiguous(), clean_logits=True)
             out.copy_(logits)
             return Output(out, metadata=meta, wrote_into_guarded=True)
-        assert case.op == "paged_mqa_logits"
+        assert case.op == Op.PAGED_MQA_LOGITS
         b, nn = len(case.requests), case.next_n  # type: ignore[union-attr]
         lens = inputs.row_visible.to(torch.int32).reshape(b, nn).contiguous().to(inputs.device)
         num_sms = _num_sms(inputs.device)
@@ -178,8 +179,8 @@ class DeepGemmFlashMLAPipeline(LibraryAdapter):
         return self.deepgemm.machine_refusal()
 
     def capabilities(self) -> dict[str, Capability]:
-        logits = self.deepgemm.capabilities().get("paged_mqa_logits")
-        attention = self.flashmla.capabilities().get("mla_sparse_decode")
+        logits = self.deepgemm.capabilities().get(Op.PAGED_MQA_LOGITS)
+        attention = self.flashmla.capabilities().get(Op.SPARSE_DECODE)
         refusal = next((c.refusal for c in (logits, attention) if c is not None and c.refusal),
                        None)
 
@@ -191,7 +192,7 @@ class DeepGemmFlashMLAPipeline(LibraryAdapter):
                     return why
             return None
 
-        return {"sparse_pipeline": Capability(
+        return {Op.SPARSE_PIPELINE: Capability(
             devices=("cuda",), refusal=refusal, rules=(stages,), empty_requests=False,
             notes="DeepGEMM fp8_paged_mqa_logits -> torch top-k -> FlashMLA sparse decode")}
 

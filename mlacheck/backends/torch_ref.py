@@ -80,25 +80,25 @@ class TorchBackend:
         """The sparse-pipeline ops: their kernel-precision implementations, written into the
         guarded output buffers."""
         op = case.op
-        if op in ("mqa_logits", "paged_mqa_logits"):
-            logits = (tp.mqa_logits(inputs) if op == "mqa_logits"
+        if op in (Op.MQA_LOGITS, Op.PAGED_MQA_LOGITS):
+            logits = (tp.mqa_logits(inputs) if op == Op.MQA_LOGITS
                       else tp.paged_mqa_logits(inputs))
             return _written(inputs, logits)
-        if op == "topk_indices":
+        if op == Op.TOPK:
             return _written(inputs, tp.topk(inputs))
-        if op == "index_conversion":
+        if op == Op.INDEX_CONVERSION:
             slots, indptr = tp.convert(inputs)
             if indptr is None:
                 return _written(inputs, slots)
             inputs.out.out[: slots.numel()] = slots.to(inputs.device)
             return Output(inputs.out.out, extra={"indptr": indptr}, wrote_into_guarded=True)
-        if op == "mla_sparse_prefill":
+        if op == Op.SPARSE_PREFILL:
             out, lse, mx = tp.sparse_prefill(inputs, self.numerics,
                                              scale=self.softmax_scale(case))
             res = _written(inputs, out)
             res.lse, res.extra["max_logits"] = lse, mx
             return res
-        assert op == "sparse_pipeline"
+        assert op == Op.SPARSE_PIPELINE
         _, slots = tp.pipeline_selection(inputs)
         out, lse = tp.slots_attention(inputs, slots, self.numerics)
         res = _written(inputs, out)

@@ -20,6 +20,7 @@ from mlacheck.golden.indexer import IndexerLogits, mqa_logits, paged_mqa_logits
 from mlacheck.golden.pipeline import local_rows
 from mlacheck.golden.sparse import SparseResult, sparse_attention
 from mlacheck.golden.topk import reference_topk
+from mlacheck.ops import Op
 from mlacheck.pipeline_inputs import (
     ConversionInputs,
     IndexerInputs,
@@ -152,10 +153,10 @@ def attention_on_slots(inputs: PipelineInputs, slots: torch.Tensor,
 
 
 REFERENCES = {
-    "mqa_logits": indexer_logits,
-    "paged_mqa_logits": paged_indexer_logits,
-    "topk_indices": topk_selection,
-    "index_conversion": conversion_slots,
-    "mla_sparse_prefill": sparse_prefill,
-    "sparse_pipeline": pipeline,
+    Op.MQA_LOGITS: indexer_logits,
+    Op.PAGED_MQA_LOGITS: paged_indexer_logits,
+    Op.TOPK: topk_selection,
+    Op.INDEX_CONVERSION: conversion_slots,
+    Op.SPARSE_PREFILL: sparse_prefill,
+    Op.SPARSE_PIPELINE: pipeline,
 }

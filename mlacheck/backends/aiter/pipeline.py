@@ -25,6 +25,7 @@ from mlacheck.backends.aiter.capability import MAX_DECODE_HEADS
 from mlacheck.backends.base import Capability, Output, Range
 from mlacheck.inputs import DecodeInputs
 from mlacheck.kvcache import KVPool, PageTable
+from mlacheck.ops import Op
 from mlacheck.spec import Case, Placement, Request, SparseDecodeCase
 
 if TYPE_CHECKING:
@@ -80,33 +81,33 @@ def capabilities(adapter: AiterAdapter, api: AiterApi, decode_common: dict[str, 
                                          f"{chip} on {api.gfx}")
 
     return {
-        "mqa_logits": Capability(
+        Op.MQA_LOGITS: Capability(
             q_formats=prefill_fmts, kv_formats=prefill_fmts, per_token_scales=True,
             empty_requests=True, devices=dev, rules=(_indexer_rule,), reasons=chip_only,
-            refusal=api.op_problem("mqa_logits"),
+            refusal=api.op_problem(Op.MQA_LOGITS),
             notes="Triton fp8_mqa_logits (clean_logits=True)"),
-        "paged_mqa_logits": Capability(
+        Op.PAGED_MQA_LOGITS: Capability(
             q_formats=(chip,), kv_formats=(chip,), per_token_scales=True, devices=dev,
             rules=(_indexer_rule, _chunk_rule), reasons=chip_only,
-            refusal=api.op_problem("paged_mqa_logits"),
+            refusal=api.op_problem(Op.PAGED_MQA_LOGITS),
             notes="Triton deepgemm_fp8_paged_mqa_logits, plain page layout (Preshuffle=False)"),
-        "topk_indices": Capability(
-            empty_requests=True, devices=dev, refusal=api.op_problem("topk_indices"),
+        Op.TOPK: Capability(
+            empty_requests=True, devices=dev, refusal=api.op_problem(Op.TOPK),
             notes="top_k_per_row_decode (next_n=1, per-row lengths) / top_k_per_row_prefill "
                   "(positions localised by the adapter, as vLLM does)"),
-        "index_conversion": Capability(
+        Op.INDEX_CONVERSION: Capability(
             empty_requests=True, devices=dev, rules=(layout_rule,),
             notes="the adapter's own conversion (AITER has no kernel for it): what it hands "
                   "the sparse decode"),
-        "mla_sparse_prefill": Capability(
+        Op.SPARSE_PREFILL: Capability(
             q_formats=("bf16",), kv_formats=("bf16",), head_counts=Range(1, MAX_DECODE_HEADS),
-            empty_requests=True, devices=dev, refusal=api.op_problem("mla_sparse_prefill"),
+            empty_requests=True, devices=dev, refusal=api.op_problem(Op.SPARSE_PREFILL),
             notes="prefill tokens as sparse decode pseudo-batches over a page-size-1 view of "
                   "the flat latent KV (vLLM's ROCm V3.2 path); no max_logits"),
-        "sparse_pipeline": Capability(
+        Op.SPARSE_PIPELINE: Capability(
             **{**decode_common, "q_len": Range(1, 4)}, rules=(*decode_rules, _indexer_rule,
                                                                _chunk_rule, pipeline_format),
-            refusal=api.op_problem("sparse_pipeline"),
+            refusal=api.op_problem(Op.SPARSE_PIPELINE),
             notes="paged logits -> top_k_per_row_decode -> the adapter's conversion -> "
                   "sparse decode"),
     }
@@ -263,10 +264,10 @@ def _pipeline(adapter: AiterAdapter, api: AiterApi, case: Case, inputs: Any) -> 
 
 
 _RUN = {
-    "mqa_logits": _mqa_logits,
-    "paged_mqa_logits": _paged_mqa_logits,
-    "topk_indices": _topk,
-    "index_conversion": _conversion,
-    "mla_sparse_prefill": _sparse_prefill,
-    "sparse_pipeline": _pipeline,
+    Op.MQA_LOGITS: _mqa_logits,
+    Op.PAGED_MQA_LOGITS: _paged_mqa_logits,
+    Op.TOPK: _topk,
+    Op.INDEX_CONVERSION: _conversion,
+    Op.SPARSE_PREFILL: _sparse_prefill,
+    Op.SPARSE_PIPELINE: _pipeline,
 }

@@ -40,9 +40,10 @@ from mlacheck.backends.base import Output
 from mlacheck.backends.faults._base import Wrapper, torch_only
 from mlacheck.backends.torch_ref import TorchBackend, _written
 from mlacheck.indexer_cache import IndexerKeys
+from mlacheck.ops import Op
 from mlacheck.spec import Case
 
-INDEXER = ("mqa_logits", "paged_mqa_logits")
+INDEXER = (Op.MQA_LOGITS, Op.PAGED_MQA_LOGITS)
 
 
 class _Stage(Wrapper):
@@ -63,7 +64,7 @@ class _IndexerFault(_Stage):
     ops = INDEXER
 
     def run(self, case: Case, inputs: Any) -> Output:
-        if case.op == "mqa_logits":
+        if case.op == Op.MQA_LOGITS:
             return _written(inputs, self.prefill(inputs))
         return _written(inputs, self.paged(inputs))
 
@@ -128,7 +129,7 @@ class WindowOffByOne(_IndexerFault):
 
 
 class PageTailRead(_IndexerFault):
-    ops = ("paged_mqa_logits",)
+    ops = (Op.PAGED_MQA_LOGITS,)
 
     def paged(self, inputs: Any) -> torch.Tensor:
         ps = inputs.pool.page_size
@@ -138,7 +139,7 @@ class PageTailRead(_IndexerFault):
 
 
 class MtpFullContext(_IndexerFault):
-    ops = ("paged_mqa_logits",)
+    ops = (Op.PAGED_MQA_LOGITS,)
 
     def paged(self, inputs: Any) -> torch.Tensor:
         kv = inputs.context_lens.long().cpu()[inputs.row_request]
@@ -149,7 +150,7 @@ class MtpFullContext(_IndexerFault):
 
 
 class TopkMaskedChosen(_Stage):
-    ops = ("topk_indices",)
+    ops = (Op.TOPK,)
 
     def run(self, case: Case, inputs: Any) -> Output:
         sel = tp.topk(inputs)
@@ -164,7 +165,7 @@ class TopkMaskedChosen(_Stage):
 
 
 class TopkNotLocalised(_Stage):
-    ops = ("topk_indices",)
+    ops = (Op.TOPK,)
 
     def run(self, case: Case, inputs: Any) -> Output:
         sel = tp.topk(inputs)
@@ -177,14 +178,14 @@ class TopkNotLocalised(_Stage):
 
 
 class ConversionMinus1ToSlot(_Stage):
-    ops = ("index_conversion",)
+    ops = (Op.INDEX_CONVERSION,)
 
     def run(self, case: Case, inputs: Any) -> Output:
         return self.torch.run(case, dataclasses.replace(inputs, local=inputs.local.clamp(min=0)))
 
 
 class ConversionContiguousBase(_Stage):
-    ops = ("index_conversion",)
+    ops = (Op.INDEX_CONVERSION,)
 
     def run(self, case: Case, inputs: Any) -> Output:
         res = self.torch.run(case, inputs)
@@ -200,7 +201,7 @@ class ConversionContiguousBase(_Stage):
 
 
 class ConversionRaggedIndptr(_Stage):
-    ops = ("index_conversion",)
+    ops = (Op.INDEX_CONVERSION,)
 
     def run(self, case: Case, inputs: Any) -> Output:
         res = self.torch.run(case, inputs)
@@ -214,7 +215,7 @@ class ConversionRaggedIndptr(_Stage):
 
 
 class SparsePrefillMinus1Slot0(_Stage):
-    ops = ("mla_sparse_prefill",)
+    ops = (Op.SPARSE_PREFILL,)
 
     def run(self, case: Case, inputs: Any) -> Output:
         res = self.torch.run(case, dataclasses.replace(inputs, indices=inputs.indices.clamp(min=0)))
@@ -222,7 +223,7 @@ class SparsePrefillMinus1Slot0(_Stage):
 
 
 class SparsePrefillMaxLogitsUnscaled(_Stage):
-    ops = ("mla_sparse_prefill",)
+    ops = (Op.SPARSE_PREFILL,)
 
     def run(self, case: Case, inputs: Any) -> Output:
         res = self.torch.run(case, inputs)
@@ -234,7 +235,7 @@ class SparsePrefillMaxLogitsUnscaled(_Stage):
 
 
 class _PipelineFault(_Stage):
-    ops = ("sparse_pipeline",)
+    ops = (Op.SPARSE_PIPELINE,)
 
     def run(self, case: Case, inputs: Any) -> Output:
         local, slots = tp.pipeline_selection(inputs)

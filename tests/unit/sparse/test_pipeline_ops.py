@@ -7,6 +7,7 @@ wrong ragged offset, an unscaled max logit; they let exact ties and near-ties go
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -17,16 +18,20 @@ from mlacheck.backends.base import Output
 from mlacheck.backends.registry import resolve
 from mlacheck.harness import BASELINE, run_case
 from mlacheck.judge import verdict
+from mlacheck.ops import unit_of
 from mlacheck.spec import (
+    PIPELINE_OPS,
     IndexConversionCase,
     IndexerCase,
     PagedIndexerCase,
+    Paging,
     Quant,
     Request,
     Segment,
     SparsePipelineCase,
     SparsePrefillCase,
     TopkCase,
+    case_from_dict,
     case_from_json,
 )
 from mlacheck.verdict import FAIL, PASS
@@ -50,6 +55,20 @@ def test_cases_round_trip_and_the_torch_backend_passes(case) -> None:  # noqa: A
     assert case_from_json(case.to_json()) == case
     v = run_case(case, resolve("torch"))
     assert v.status == PASS, v.summary()
+
+
+@pytest.mark.parametrize("case", ALL, ids=lambda c: c.op + "-" + c.slug[:20])
+def test_pipeline_cases_answer_the_shared_questions(case) -> None:  # noqa: ANN001
+    """The facts every case has (mlacheck.spec): generic readers need no pipeline branch."""
+    assert case.op in PIPELINE_OPS and case.unit_name == case.op.unit == unit_of(case.op)
+    assert case.q_lengths == tuple(u.q_len for u in case.units)
+    assert case.kv_lengths == tuple(u.kv_len for u in case.units)
+    assert case.total_q == sum(case.q_lengths) and case.has_empty == (0 in case.q_lengths)
+    page_size = getattr(case, "page_size", None)
+    assert case.paging == (None if page_size is None else Paging(page_size))
+    assert case_from_dict(json.loads(case.to_json())) == case
+    with pytest.raises(ValueError, match="missing required field"):
+        case_from_dict({"kind": case.kind})
 
 
 def test_the_aiter_model_runs_every_pipeline_op() -> None:
