@@ -549,17 +549,11 @@ class AiterTritonBackend:
         got = load()
         if isinstance(got, str):
             raise RuntimeError(got)
+        decode = self._decode_rope if self.decode_entry == "grouped_rope" else self._decode
+        op_run = {Op.PREFILL: self._prefill, Op.PAGED_PREFILL: self._paged_prefill,
+                  Op.DECODE: decode, Op.SPARSE_DECODE: self._sparse}[case.op]
         with torch.no_grad():
-            if isinstance(inputs, PrefillInputs):
-                if inputs.case.paging is not None:
-                    return self._paged_prefill(got, inputs)
-                return self._prefill(got, inputs)
-            assert isinstance(inputs, DecodeInputs)
-            if isinstance(case, SparseDecodeCase):
-                return self._sparse(got, inputs)
-            if self.decode_entry == "grouped_rope":
-                return self._decode_rope(got, inputs)
-            return self._decode(got, inputs)
+            return op_run(got, inputs)  # type: ignore[operator]
 
     # -- helpers
     def _ops(self) -> dict[str, str]:

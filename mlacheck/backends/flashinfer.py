@@ -236,16 +236,9 @@ class FlashInferBackend(LibraryAdapter):
         got = self.loaded()
         if isinstance(got, str):
             raise RuntimeError(got)
-        if isinstance(case, PrefillCase):
-            assert isinstance(inputs, PrefillInputs)
-            out = (self._paged_prefill(got, case, inputs) if case.paging is not None
-                   else self._prefill(got, case, inputs))
-        elif isinstance(case, SparseDecodeCase):
-            assert isinstance(inputs, DecodeInputs)
-            out = self._sparse(got, case, inputs)
-        else:
-            assert isinstance(inputs, DecodeInputs) and isinstance(case, DecodeCase)
-            out = self._decode(got, case, inputs)
+        op_run = {Op.PREFILL: self._prefill, Op.PAGED_PREFILL: self._paged_prefill,
+                  Op.DECODE: self._decode, Op.SPARSE_DECODE: self._sparse}[case.op]
+        out = op_run(got, case, inputs)  # type: ignore[operator]
         out.metadata.setdefault("flashinfer", {}).update(version=got.version, kernel=self.kernel)
         return out
 
