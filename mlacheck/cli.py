@@ -216,8 +216,12 @@ CPU_WORKER_PEAK_GIB = 4.5
 # ~630 s with 4 and `--resume` (docs/gpu-results.md, "Suite throughput").
 CORES_PER_GPU_WORKER = 2
 GPU_WORKERS_MAX = 8
-# Host memory of one GPU worker at its peak: the largest process of that nightly, 13.6 GiB.
-GPU_WORKER_HOST_GIB = 13.6
+# Host memory of one GPU worker at its peak. 13.6 GiB was the largest process of that nightly
+# when inputs and the judge ran on the host; since they run on the GPU the largest process of
+# the nightly (torch, aiter-model, aiter-triton; 8 workers per GPU) was 1.64-1.69 GiB on one
+# H100 and on a 4x H200 host (2026-11-26, docs/gpu-results.md). 4 GiB keeps a 2.4x margin; at
+# 13.6 an 8-GPU node with 560 GiB got at most 5 workers per GPU, not 8.
+GPU_WORKER_HOST_GIB = 4.0
 
 
 def _default_workers(device: str) -> int:

@@ -232,6 +232,10 @@ def test_default_workers_use_the_cores_the_memory_can_hold(monkeypatch) -> None:
     monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(128)), raising=False)
     monkeypatch.setattr(cli, "_available_gib", lambda: 2000.0)
     assert cli._default_workers("cuda") == 64  # 8 GPUs x 8
+    # an 8x H100 node of 560 GiB: 8 per GPU (a worker's largest process was 1.7 GiB on the
+    # H100 and H200 nightlies of 2026-11-26; at 13.6 GiB a worker it was 5 per GPU)
+    monkeypatch.setattr(cli, "_available_gib", lambda: 540.0)
+    assert cli._default_workers("cuda") == 64
 
 
 @pytest.mark.parametrize(("platform", "env", "expected"), [
