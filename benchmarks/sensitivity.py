@@ -11,7 +11,8 @@ and the baseline are computed once; a bisection over delta then asks the judge
 (mlacheck.judge.verdict, exactly what run_case calls) whether the perturbed output FAILs.
 Reported: the smallest delta caught in ALL seeds (= the largest per-seed threshold), the
 median per-seed threshold, the row bound the judge used (median), and, at the same judge
-settings, the FAIL count of the correct backends torch-split, torch-reverse and aiter-model
+settings, the FAIL count of the correct backends torch-split, torch-reverse, torch-lazy,
+torch-normalised and aiter-model
 over the same seeded cases (SKIP where a backend does not take the case).
 """
 
@@ -33,13 +34,13 @@ from mlacheck.backends.base import Output
 from mlacheck.backends.faults.generic import PerturbRow
 from mlacheck.backends.registry import resolve
 from mlacheck.backends.torch_ref import TorchBackend
-from mlacheck.harness import BASELINE, RunOptions, run_case
+from mlacheck.harness import BASELINE, RunOptions, baselines, run_case
 from mlacheck.spec import Case, DecodeCase, PrefillCase, Quant, Request, Segment, SparseDecodeCase
 from mlacheck.verdict import FAIL, PASS, SKIP
 
 FORMATS = ("bf16", "fp16", "fp8_e4m3fn", "fp8_e4m3fnuz")
 TARGETS = {"bf16": 0.02, "fp16": 0.02, "fp8_e4m3fn": 0.10, "fp8_e4m3fnuz": 0.10}
-CORRECT = ("torch-split", "torch-reverse", "aiter-model")
+CORRECT = ("torch-split", "torch-reverse", "torch-lazy", "torch-normalised", "aiter-model")
 # Representative cases: the smoke matrix's shapes (a two-segment prefill with context, a
 # ragged decode batch with a partial, a full and a multi-page request, a sparse batch with
 # fewer valid indices than topk).
@@ -68,7 +69,9 @@ def _prepared(case: Case) -> dict[str, Any]:
     ideal = golden.reference(inp, "ideal")
     base = Output(res.out.clone(), None if res.lse is None else res.lse.clone())
     assert type(BASELINE) is TorchBackend  # the baseline IS the unperturbed torch output
-    return {"inputs": inp, "out": res, "gold": gold, "ideal": ideal, "baseline": base}
+    others = [Output(o.out.clone(), o.lse) for o in (b.run(case, inp) for b in baselines(case)
+                                                      if b is not BASELINE)]
+    return {"inputs": inp, "out": res, "gold": gold, "ideal": ideal, "baseline": [base, *others]}
 
 
 def _caught(case: Case, prep: dict[str, Any], delta: float,

@@ -54,7 +54,13 @@ def timeline(records: list[dict[str, Any]]) -> dict[str, Any]:
     """How the workers spent the run (items record when and where they ran): the span from
     the first item's start to the last one's end, each worker's busy share, what ended last,
     and the kernel time of each worker's first item of a backend against that backend's
-    median (a per-process compile, e.g. Triton JIT, shows as a large first item)."""
+    median (a per-process compile, e.g. Triton JIT, shows as a large first item).
+
+    `first_item_vs_median_s`: the same for the whole item (any status, SKIP included) against
+    the backend's later items. What a worker pays once for a backend outside its kernel call
+    (importing the library, loading its kernels) shows only there: on the H100 and on a 4x
+    H200 host (2026-11-26) a worker's first aiter-triton item took 4.8-7.0 s where it was a
+    SKIP (later SKIPs 0.001 s), while its first kernel call took 0.45-0.5 s on average."""
     timed = [r for r in records if r.get("started") and r.get("worker")]
     if not timed:
         return {}
@@ -78,6 +84,14 @@ def timeline(records: list[dict[str, Any]]) -> dict[str, Any]:
     firsts: dict[str, list[float]] = {}
     for (_, b), r in first.items():
         firsts.setdefault(b, []).append(float(r["timings"]["kernel"]))
+    first_items: dict[str, list[float]] = {}
+    later_items: dict[str, list[float]] = {}
+    seen: set[tuple[str, str]] = set()
+    for r in sorted(timed, key=lambda r: float(r["started"])):
+        key = (str(r["worker"]), str(r["backend"]))
+        into = later_items if key in seen else first_items
+        seen.add(key)
+        into.setdefault(key[1], []).append(float(r.get("wall") or 0))
     return {
         "span_s": round(span, 1), "workers": len(busy),
         "busy_share": {w: round(b / span, 2) for w, b in sorted(busy.items())} if span else {},
@@ -89,6 +103,10 @@ def timeline(records: list[dict[str, Any]]) -> dict[str, Any]:
                 "first_max": round(max(firsts[b]), 2),
                 "median": round(statistics.median(ks), 3)}
             for b, ks in sorted(kernels.items()) if b in firsts},
+        "first_item_vs_median_s": {
+            b: {"first_mean": round(statistics.mean(fs), 2), "first_max": round(max(fs), 2),
+                "median": round(statistics.median(later_items[b]), 3)}
+            for b, fs in sorted(first_items.items()) if later_items.get(b)},
     }
 
 

@@ -134,11 +134,18 @@ answer(torch.cuda.device_count() if torch.cuda.is_available() else 0)') || GPU_C
     if [[ $MODE == gpu ]]; then
         # Name the GPUs explicitly (indices as torch counts them, i.e. after any
         # ROCR_VISIBLE_DEVICES): the plugin gives xdist worker gwK the K-th entry, so the
-        # mapping never depends on its own GPU count (all GPUs of the node).
+        # mapping never depends on its own GPU count (all GPUs of the node). On ROCm the HIP
+        # runtime reads HIP_VISIBLE_DEVICES when it is set, else CUDA_VISIBLE_DEVICES: a
+        # runner that restricts the job with CUDA_VISIBLE_DEVICES keeps exactly that subset
+        # (HIP_VISIBLE_DEVICES=0..N-1 would move the job onto other GPUs of the node).
         local var=CUDA_VISIBLE_DEVICES
         if [[ $PLATFORM == rocm ]]; then var=HIP_VISIBLE_DEVICES; fi
         if [[ -z ${!var:-} ]]; then
-            export "$var=$(seq -s, 0 $((GPU_COUNT - 1)))"
+            if [[ $PLATFORM == rocm && -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+                export HIP_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES
+            else
+                export "$var=$(seq -s, 0 $((GPU_COUNT - 1)))"
+            fi
         fi
         say "GPUs: $GPU_COUNT usable by torch ($TORCH_BUILD build; $seen${HIP_VISIBLE_DEVICES:+; HIP_VISIBLE_DEVICES=$HIP_VISIBLE_DEVICES}${CUDA_VISIBLE_DEVICES:+; CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES})"
     else

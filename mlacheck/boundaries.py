@@ -104,6 +104,15 @@ def _partial_last_page(case: Case) -> bool:
     return geo is not None and any(n % geo[1] for n in geo[0])
 
 
+# The kv tile of MLA decode kernels (AITER, FlashMLA: 64 tokens).
+MTP_TILE = 64
+
+
+def _mtp_short_last_tile(case: Case) -> bool:
+    return any(u.q_len > 1 and u.kv_len > MTP_TILE and 0 < u.kv_len % MTP_TILE < u.q_len
+               for u in case.units)
+
+
 def _single_token_segment(case: Case) -> bool:
     return len(case.units) > 1 and any(u.q_len == 1 and u.kv_len > 1 for u in case.units)
 
@@ -201,8 +210,13 @@ CLASSES: tuple[BoundaryClass, ...] = (
                   (DECODE,), _longer_than(NARROW_ACCUMULATION_KV - 1)),
     *(BoundaryClass(f"page-id-past-2^{b}",
                     f"a quarter or more of the live pages have ids of 2^{b} or more: page ids "
-                    f"held in {b + 1}-bit integers wrap", (DECODE,), _wide_ids(b))
+                    f"held in {b + 1}-bit integers wrap", (DECODE, SPARSE), _wide_ids(b))
       for b in WIDE_PAGE_ID_BITS),
+    BoundaryClass("mtp-short-last-tile",
+                  f"an MTP request whose kv is 1..q_len-1 past a multiple of {MTP_TILE}: its "
+                  "last kv tile (and last split, for splits that are multiples of it) holds "
+                  "fewer keys than it has query rows, so its first rows see no key there",
+                  (DECODE,), _mtp_short_last_tile),
     BoundaryClass("partial-last-page",
                   "a last page only partly filled: tails must be masked, lengths right",
                   (DECODE, PAGED), _partial_last_page),
@@ -213,7 +227,8 @@ CLASSES: tuple[BoundaryClass, ...] = (
     BoundaryClass("single-token-segment",
                   "a one-token segment with context in a multi-segment prefill (decode-like "
                   "rows inside a prefill batch)", (PREFILL,), _single_token_segment),
-    BoundaryClass("soft-cap", "scores soft-capped (cap * tanh(s / cap))", (PREFILL,),
+    BoundaryClass("soft-cap", "scores soft-capped (cap * tanh(s / cap)); on a paged pool, "
+                  "next to poisoned partial-page tails", (PREFILL, PAGED),
                   lambda c: c.soft_cap > 0),
     BoundaryClass("per-token-scale", "FP8 scales per token instead of per tensor", (PREFILL,),
                   lambda c: c.quant.per_token and c.quant.is_fp8),

@@ -18,7 +18,13 @@ from pathlib import Path
 from types import FrameType
 
 from mlacheck.errors import OneLineParser, UsageError
-from mlacheck.outcome import EXIT_OK, EXIT_PYTEST_USAGE, EXIT_USAGE, exit_meaning
+from mlacheck.outcome import (
+    EXIT_KERNEL_FAILURE,
+    EXIT_OK,
+    EXIT_PYTEST_USAGE,
+    EXIT_USAGE,
+    exit_meaning,
+)
 
 DEFAULT_RESULTS = "mlacheck-out/results.jsonl"
 PYTEST_INTERRUPTED = 2  # pytest.ExitCode.INTERRUPTED (pytest is imported only to run)
@@ -210,8 +216,12 @@ CPU_WORKER_PEAK_GIB = 4.5
 # ~630 s with 4 and `--resume` (docs/gpu-results.md, "Suite throughput").
 CORES_PER_GPU_WORKER = 2
 GPU_WORKERS_MAX = 8
-# Host memory of one GPU worker at its peak: the largest process of that nightly, 13.6 GiB.
-GPU_WORKER_HOST_GIB = 13.6
+# Host memory of one GPU worker at its peak. 13.6 GiB was the largest process of that nightly
+# when inputs and the judge ran on the host; since they run on the GPU the largest process of
+# the nightly (torch, aiter-model, aiter-triton; 8 workers per GPU) was 1.64-1.69 GiB on one
+# H100 and on a 4x H200 host (2026-11-26, docs/gpu-results.md). 4 GiB keeps a 2.4x margin; at
+# 13.6 an 8-GPU node with 560 GiB got at most 5 workers per GPU, not 8.
+GPU_WORKER_HOST_GIB = 4.0
 
 
 def _default_workers(device: str) -> int:
@@ -246,8 +256,9 @@ def _available_gib() -> float:
 def cmd_list(args: argparse.Namespace) -> int:
     from mlacheck import inventory
 
-    if args.coverage is not None:
-        return _print_coverage(args.coverage, args.backend, args.device)
+    if args.coverage is not None or args.pairs is not None:
+        return _print_coverage(args.coverage or args.pairs or [], args.backend, args.device,
+                               pairs=args.pairs is not None, strength=args.strength)
     if args.faults:
         from mlacheck.backends.faults import FAULTS, PREFIX
 
@@ -283,11 +294,13 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def _print_coverage(matrices: list[str], backends: list[str] | None = None,
-                    device: str = "auto") -> int:
+                    device: str = "auto", pairs: bool = False, strength: int = 2) -> int:
     """Which boundary classes (mlacheck/boundaries.py) each matrix covers, per op: the number
-    of cases, all of them and those a CPU gate runs (without large_kv). With backends: the
-    cases each backend executes here (not SKIPped by its capabilities), so a class the matrix
-    covers and the backend skips shows as not covered for that backend."""
+    of cases, all of them and those a CPU gate runs (without large_kv); the FP8 input scales
+    of every FP8 case. With backends: the cases each backend executes here (not SKIPped by its
+    capabilities), so a class the matrix covers and the backend skips shows as not covered for
+    that backend. With `pairs`, the feasible t-tuples of feature levels no case covers
+    (mlacheck/coverage.py; exit 1 when there are any)."""
     from mlacheck import boundaries
     from mlacheck.backends.base import skip_reason
     from mlacheck.backends.registry import resolve
@@ -297,6 +310,7 @@ def _print_coverage(matrices: list[str], backends: list[str] | None = None,
 
     chosen = [resolve(b) for b in split_names(backends)]
     where = resolve_device(device) if chosen else ""
+    missing_pairs = 0
     for name in matrices or names():
         m = load(name)
         every = boundaries.coverage(mc.case for mc in m.cases)
@@ -320,7 +334,48 @@ def _print_coverage(matrices: list[str], backends: list[str] | None = None,
                     mark = "  <- SKIPPED" if total and not n else ""
                     cells.append(f"{op} {n} (of {total}){mark}")
                 print(f"    {cls.name:22s} " + "; ".join(cells))
-    return EXIT_OK
+        _print_scales(m)
+        if pairs:
+            missing_pairs += _print_pairs(m, strength)
+    return EXIT_KERNEL_FAILURE if missing_pairs else EXIT_OK
+
+
+def _print_scales(m) -> None:  # noqa: ANN001 - a loaded Matrix
+    """Per FP8 case: the scale each quantised input gets and the closest two (a kernel that
+    uses one tensor's scale for another's is wrong by that factor; below
+    coverage.MIN_SCALE_SPREAD the inputs hide such a mix-up)."""
+    from mlacheck import coverage
+
+    rows = [coverage.scale_report(mc.case) for mc in m.cases if mc.case.quant.is_fp8]
+    if not rows:
+        return
+    measured = [r for r in rows if r.spread is not None]
+    low = [r for r in measured if r.spread < coverage.MIN_SCALE_SPREAD]
+    spreads = sorted(r.spread for r in measured)
+    summary = (f"closest two per-tensor scales differ {spreads[0]:.2f}x .. {spreads[-1]:.2f}x "
+               f"(median {spreads[len(spreads) // 2]:.2f}x)" if spreads else "")
+    print(f"  FP8 input scales: {len(rows)} FP8 cases, {len(measured)} with per-tensor amax "
+          f"scales; {summary}; {len(low)} below {coverage.MIN_SCALE_SPREAD:g}x")
+    for r in rows:
+        print(f"    {r.case_id:64s} {r.text}")
+
+
+def _print_pairs(m, strength: int) -> int:  # noqa: ANN001 - a loaded Matrix
+    from mlacheck import coverage
+
+    cases = [mc.case for mc in m.cases]
+    total = 0
+    for op in coverage.OPS:
+        need = coverage.required(op, strength)
+        left = coverage.uncovered(cases, op, strength)
+        n_imp = coverage.impossible_count(op, strength)
+        print(f"  {op}: {len(need) - len(left)} of {len(need)} feasible {strength}-tuples "
+              f"covered ({n_imp} impossible, declared in mlacheck/coverage.py)"
+              + ("" if left else "; none uncovered"))
+        for combo in left:
+            print("    uncovered: " + ", ".join(f"{f}={v}" for f, v in combo))
+        total += len(left)
+    return total
 
 
 # --------------------------------------------------------------------------- replay
@@ -475,7 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("list", help="backends available here and matrices")
     ls.add_argument("--coverage", nargs="*", default=None, metavar="MATRIX",
-                    help="show which boundary classes each matrix (default: all) covers, per op")
+                    help="show which boundary classes each matrix (default: all) covers, per "
+                         "op, and the FP8 input scales of its FP8 cases")
     ls.add_argument("--backend", "-b", action="append", default=None,
                     help="repeatable or comma-separated; with --json: only these backends, and "
                          "no matrices (what a CI job checks before it runs); with --coverage: "
@@ -484,6 +540,12 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--device", default="auto",
                     help="with --coverage --backend: the device whose capabilities count "
                          "(default auto)")
+    ls.add_argument("--pairs", nargs="*", default=None, metavar="MATRIX",
+                    help="with --coverage (or alone, naming the matrices): list the feasible "
+                         "pairs of feature levels no case covers (mlacheck/coverage.py); "
+                         "exit 1 when there are any")
+    ls.add_argument("--strength", type=int, default=2, choices=(2, 3),
+                    help="--pairs: tuples of this many levels (3: the nightly's triples)")
     ls.add_argument("--faults", action="store_true",
                     help="list the planted faults (fault:<name>) and their mechanisms")
     ls.add_argument("--json", action="store_true",

@@ -25,12 +25,15 @@ import torch
 
 from mlacheck import admission, footprint, golden, judge
 from mlacheck import inputs as inputs_mod
+from mlacheck import tolerances as tol
 from mlacheck.backends.base import Backend, Output, skip_reason
+from mlacheck.backends.numerics import Numerics
 from mlacheck.backends.torch_ref import TorchBackend
-from mlacheck.spec import Case
+from mlacheck.spec import PIPELINE_OPS, Case
 from mlacheck.verdict import Verdict
 
 BASELINE = TorchBackend(name="baseline")
+P_NORMALISED_BASELINE = TorchBackend(Numerics(p_normalised=True), name="baseline-p-normalised")
 
 
 class DeviceError(RuntimeError):
@@ -111,7 +114,7 @@ class _CaseData:
     pristine_out: torch.Tensor  # the output buffer as built: guards and poison
     fingerprint: list[int]
     hold: contextlib.ExitStack
-    refs: tuple[Output, Output | None, Output] | None = None  # exact, ideal, baseline
+    refs: tuple[Output, Output | None, list[Output]] | None = None  # exact, ideal, baselines
     wait_s: float = 0.0  # time spent waiting for room on the device before the build
 
 
@@ -275,15 +278,35 @@ def _repeat(case: Case, backend: Backend, opts: RunOptions) -> judge.Repeats:
     return rep
 
 
-def _baseline(case: Case, inp: inputs_mod.Inputs) -> Output:
-    """The same-precision baseline, always mlacheck's own instance (never the object under
-    test, even when that is a torch backend: a patched one must not bound itself), run on
-    its own copy of the output buffer."""
+def _baseline(case: Case, inp: inputs_mod.Inputs) -> list[Output]:
+    """The same-precision baselines, always mlacheck's own instances (never the object under
+    test, even when that is a torch backend: a patched one must not bound itself), each run
+    on its own copy of the output buffer: BASELINE, and where P is rounded to FP8 also
+    P_NORMALISED_BASELINE (see baselines())."""
     saved = inp.out.full.clone()
-    res = BASELINE.run(case, inp)
-    res = Output(res.out.clone(), res.lse, extra=dict(res.extra))
-    inp.out.full.copy_(saved)
-    return res
+    family = []
+    for b in baselines(case):
+        res = b.run(case, inp)
+        family.append(Output(res.out.clone(), res.lse, extra=dict(res.extra)))
+        inp.out.full.copy_(saved)
+    return family
+
+
+def baselines(case: Case) -> list[TorchBackend]:
+    """The baselines a case's bound is derived from: one per legitimate way to round P.
+
+    P = exp(s - running max) rounded (BASELINE) leaves the row's largest P exactly 1, so its
+    largest weight carries no rounding error; a correct kernel that rounds P / l (normalised
+    first) or exp(s - stale max) (a lazily rescaled max, FlashAttention-4 style) rounds that
+    weight too, which with a 3-bit mantissa (FP8 P) costs up to 2^-4 of a peaked row and took
+    such kernels 3-10 % past a bound derived from BASELINE alone. With FP8 P the bound is
+    therefore derived from the worse of BASELINE and P_NORMALISED_BASELINE (whose largest
+    weight is rounded); bf16 / fp16 P (8 / 11 bits) keep BASELINE alone (docs/detection.md
+    "P rounding families")."""
+    if case.op in PIPELINE_OPS:  # logits, selections, slots; sparse prefill takes bf16 / fp16
+        return [BASELINE]
+    p_fmt = tol.compute_format(case.quant.q, case.quant.kv)
+    return [BASELINE, P_NORMALISED_BASELINE] if p_fmt.startswith("fp8") else [BASELINE]
 
 
 def _out_of_memory(e: Exception) -> bool:

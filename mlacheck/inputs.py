@@ -2,18 +2,21 @@
 
 Bulk values (q, k, v, latent KV, weights) come from mlacheck.rng's counter-based streams,
 keyed by the case content and drawn directly on the device: the same bits on CPU and GPU,
-without a CPU-sized detour for a multi-GB case. Small structural draws (page placement,
+without a CPU-sized detour for a multi-GB case; how each tensor is distributed (per-tensor
+ranges, channel and token structure, near-ties) is the case's `distribution`
+(mlacheck.distributions). Small structural draws (page placement, the stress profile's
 outlier channels, sparse top-k sets) come from a CPU torch.Generator seeded the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from mlacheck import fp8, kvcache, rng
+from mlacheck import distributions, fp8, kvcache, rng
 from mlacheck.kvcache import Guarded, KVPool, PageTable
 from mlacheck.spec import (
     PIPELINE_OPS,
@@ -26,9 +29,6 @@ from mlacheck.spec import (
     SparseDecodeCase,
 )
 
-# Realistic magnitudes: post-norm activations are O(1). With unit-variance q and k, a
-# 192-dim dot product times the V3 scale 0.135 has std ~1.9: a peaked but not one-hot softmax.
-REALISTIC_STD = 1.0
 # Stress profile: a few outlier channels this large overflow FP8 under a unit scale
 # (e4m3fn max 448, e4m3fnuz max 240), the condition behind bug class 7.
 STRESS_OUTLIER = 600.0
@@ -122,11 +122,11 @@ def generator(case: Case, salt: int = 0) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed((case.seed_material + salt) % (1 << 63))
 
 
-def _randn(shape: tuple[int, ...], case: Case, stream: str, gen: torch.Generator,
+def _randn(shape: tuple[int, ...], case: Case, role: str, stream: str, gen: torch.Generator,
            device: torch.device | str) -> torch.Tensor:
-    """Normal values of the case's stream `stream`, made on `device` (see mlacheck.rng)."""
-    key = rng.stream_key(case.seed_material, stream)
-    x = rng.normal(shape, key, device, std=REALISTIC_STD)
+    """The case's tensor of `role` (mlacheck.distributions) from its stream `stream`, made
+    on `device`; the stress profile's outlier channels on top."""
+    x = distributions.draw(case, role, shape, device, stream)
     if case.profile == "stress":
         # the same few channels (last dim) in every row carry outliers, as LLM activations do
         ch = torch.randperm(shape[-1], generator=gen)[:STRESS_CHANNELS]
@@ -200,13 +200,44 @@ def build(case: Case, device: torch.device | str = "cpu") -> Inputs:
     return build_op(case, device)  # type: ignore[operator]
 
 
+def _drawn(case: Case) -> list[tuple[str, str, str, tuple[int, ...], str]]:
+    """(name, distribution role, stream, shape, format) of the tensors a case draws, in the
+    order build() draws them (the stress profile's generator sees that order)."""
+    d, h = case.dims, case.num_heads
+    if isinstance(case, PrefillCase):
+        return [("q", "q", "q", (case.total_q, h, d.qk_head), case.quant.q),
+                ("k", "k", "k", (case.total_kv, h, d.qk_head), case.quant.kv),
+                ("v", "v", "v", (case.total_kv, h, d.v_head), case.quant.kv)]
+    kv = sum(r.kv_len for r in case.requests)
+    return [("q", "q_latent", "q", (case.total_q, h, d.latent), case.quant.q),
+            ("kv", "kv_latent", "kv", (kv, 1, d.latent), case.quant.kv)]
+
+
+def input_scales(case: Case, max_elements: int = 1 << 24) -> tuple[dict[str, float], bool]:
+    """The dequantisation scale each drawn tensor gets (name -> scale: per tensor; per token:
+    the median row's; 1 for unit scales and non-FP8 formats), from the tensors themselves
+    without pools or references. Past `max_elements` a tensor's leading rows are used (the
+    same values: element i does not depend on the tensor's size); the flag says whether every
+    tensor was used whole."""
+    gen = generator(case)
+    scales: dict[str, float] = {}
+    whole = True
+    for name, role, stream, shape, fmt in _drawn(case):
+        per_row = max(1, math.prod(shape[1:]))
+        rows = min(shape[0], max(1, max_elements // per_row))
+        whole &= rows == shape[0]
+        x = _randn((rows, *shape[1:]), case, role, stream, gen, "cpu")
+        s = fp8.pick_scale(x, fmt, case.quant.scale, case.quant.per_token)
+        scales[name] = float(s.median()) if s.dim() else float(s)
+    return scales, whole
+
+
 def _build_prefill(case: PrefillCase, device: torch.device | str) -> PrefillInputs:
     gen = generator(case)
     d, h = case.dims, case.num_heads
-    tq, tk = case.total_q, case.total_kv
-    q = _randn((tq, h, d.qk_head), case, "q", gen, device)
-    k = _randn((tk, h, d.qk_head), case, "k", gen, device)
-    v = _randn((tk, h, d.v_head), case, "v", gen, device)
+    tq = case.total_q
+    q, k, v = (_randn(shape, case, role, stream, gen, device)
+               for _, role, stream, shape, _ in _drawn(case))
     qq = quantise(q, case.quant.q, case.quant, device)
     kq = quantise(k, case.quant.kv, case.quant, device)
     vq = quantise(v, case.quant.kv, case.quant, device)
@@ -239,10 +270,10 @@ def _build_prefill(case: PrefillCase, device: torch.device | str) -> PrefillInpu
 def _build_decode(case: DecodeCase | SparseDecodeCase, device: torch.device | str) -> DecodeInputs:
     gen = generator(case)
     d, h = case.dims, case.num_heads
-    q = _randn((case.total_q, h, d.latent), case, "q", gen, device)
+    q, kv_all = (_randn(shape, case, role, stream, gen, device)
+                 for _, role, stream, shape, _ in _drawn(case))
     qq = quantise(q, case.quant.q, case.quant, device)
     lens = [r.kv_len for r in case.requests]
-    kv_all = _randn((sum(lens), 1, d.latent), case, "kv", gen, device)
     if case.quant.per_token and fp8.fmt(case.quant.kv).is_fp8:
         raise ValueError("per-token KV scales are not modelled for paged pools; use per-tensor")
     kvq = quantise(kv_all, case.quant.kv, case.quant, device)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,14 +107,16 @@ def verdict(
     inputs: Inputs,
     output: Output,
     gold: Result,
-    baseline: Output,
+    baseline: Output | Sequence[Output],
     ideal: Result | None = None,
     backend: str = "",
     repeats: Repeats | None = None,
     implementation: Mapping[str, Any] | None = None,
     rerun: Rerun | None = None,
 ) -> Verdict:
-    """Judge one case: the kernel's output against the golden, bounded by the baseline; its
+    """Judge one case: the kernel's output against the golden, bounded by the baseline (one
+    per legitimate way to round P, mlacheck.harness.baselines: the bound is held to their
+    worst, so a correct kernel of any of those families passes); its
     own schedule metadata (when the backend validated one) and, with `repeats`, determinism.
     `implementation`: what ran (versions), completed with what the backend reported.
     `rerun`: the kernel on other inputs, for the probes of a FAIL (none: no probes)."""
@@ -322,13 +324,16 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold: Result,
-                    baseline: Output, ideal: Result | None) -> torch.Tensor | None:
+                    baselines: Output | Sequence[Output], ideal: Result | None
+                    ) -> torch.Tensor | None:
     """The numeric checks; the rows [T, H] some check failed (None: the shape is wrong)."""
     checks, where = v.checks, v.where
     # full-size tensors stay where they are (the case's device): by_rows brings rows home
     out = output.out.detach()
     g_out, g_lse = gold.out.detach(), gold.lse.detach().cpu()
-    b_out = baseline.out.detach().to(out.device)
+    family = [baselines] if isinstance(baselines, Output) else list(baselines)
+    baseline = family[0]  # the eager one: its LSE (every family's LSE is the same quantity)
+    b_outs = [b.out.detach().to(out.device) for b in family]
 
     expect = tuple(g_out.shape)
     if tuple(out.shape) != expect:
@@ -351,8 +356,7 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
     # kernel's NaN rows must not shrink the bound its other rows, and its probes, are held to).
     q_fmt, p_fmt = case.quant.q, tol.compute_format(case.quant.q, case.quant.kv)
     err = by_rows(row_errors, out, g_out).masked_fill(~finite, 0.0)
-    b_err = by_rows(row_errors, b_out, g_out).masked_fill(g_bad | ~finite_rows(b_out), 0.0)
-    base = float(b_err.max()) if b_err.numel() else 0.0
+    base = max(_worst_row(b, g_out, g_bad) for b in b_outs)
     floor = tol.row_floor(q_fmt)
     bound = min(tol.ROW_FACTOR * base + floor, tol.ROW_BUDGET[p_fmt])
     worst = float(err.max()) if err.numel() else 0.0
@@ -365,7 +369,7 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
 
     # Tensor-wide relative L2 (on finite rows).
     t_err = masked_rel_l2(out, g_out, finite)
-    t_base = masked_rel_l2(b_out, g_out, finite, nan_to_num=True)
+    t_base = max(masked_rel_l2(b, g_out, finite, nan_to_num=True) for b in b_outs)
     t_bound = tol.TENSOR_FACTOR * t_base + floor
     checks.append(Check("tensor_rel_l2", t_err <= t_bound, t_err, t_bound))
 
@@ -392,7 +396,8 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
     # loss. Non-finite output where the unquantised golden is finite always fails: the cast
     # itself overflowed (unit-scale FP8, bug class 7).
     if ideal is not None:
-        found, ideal_bad = _check_ideal(case, inputs, out, b_out, ideal, p_fmt, checks, v.metrics)
+        found, ideal_bad = _check_ideal(case, inputs, out, b_outs, ideal, p_fmt, checks,
+                                        v.metrics)
         where += found
         failing |= ideal_bad
 
@@ -416,16 +421,18 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
     return failing
 
 
-def _check_ideal(case: Case, inputs: Inputs, out: torch.Tensor, b_out: torch.Tensor, ideal: Result,
-                 p_fmt: str, checks: list[Check], metrics: dict[str, Any]
+def _check_ideal(case: Case, inputs: Inputs, out: torch.Tensor, b_outs: list[torch.Tensor],
+                 ideal: Result, p_fmt: str, checks: list[Check], metrics: dict[str, Any]
                  ) -> tuple[list[Where], torch.Tensor]:
     i_out = ideal.out.detach().to(out.device)
     i_fin = finite_rows(i_out)
     i_err = by_rows(row_errors, out, i_out)
     i_err = torch.where(torch.isfinite(i_err), i_err, torch.full_like(i_err, float("inf")))
-    b_err = by_rows(row_errors, b_out, i_out).masked_fill(~i_fin, 0.0)
-    b_err = torch.where(torch.isfinite(b_err), b_err, torch.zeros_like(b_err))
-    b_worst = float(b_err.max()) if b_err.numel() else 0.0
+    b_worst = 0.0
+    for b_out in b_outs:  # the worst of the baseline families
+        b_err = by_rows(row_errors, b_out, i_out).masked_fill(~i_fin, 0.0)
+        b_err = torch.where(torch.isfinite(b_err), b_err, torch.zeros_like(b_err))
+        b_worst = max(b_worst, float(b_err.max()) if b_err.numel() else 0.0)
     budget = tol.IDEAL_BUDGET[p_fmt]
     bound = max(budget, tol.ROW_FACTOR * b_worst + tol.row_floor(case.quant.q))
     lost = i_fin & ~finite_rows(out)
@@ -443,6 +450,12 @@ def _check_ideal(case: Case, inputs: Inputs, out: torch.Tensor, b_out: torch.Ten
     checks.append(Check("quantisation_loss", not bool(bad.any()), metrics["ideal_worst_row"], bound,
                         detail))
     return (localise(inputs, bad, i_err, bound, "quantisation_loss") if bad.any() else []), bad
+
+
+def _worst_row(b_out: torch.Tensor, g_out: torch.Tensor, g_bad: torch.Tensor) -> float:
+    """A baseline's worst row error over the rows where it and the golden are finite."""
+    b_err = by_rows(row_errors, b_out, g_out).masked_fill(g_bad | ~finite_rows(b_out), 0.0)
+    return float(b_err.max()) if b_err.numel() else 0.0
 
 
 def input_overflow(inputs: Inputs) -> int:

@@ -26,6 +26,7 @@ cause), "rows", "selection", "slots", "max_logits".
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,10 +45,13 @@ from mlacheck.verdict import Check, Verdict, Where, ranges
 DETAIL_ROWS = 3
 
 
-def judge(v: Verdict, case: Case, inputs: Any, output: Output, gold: Any, baseline: Output,
-          ideal: Any) -> None:
-    """Fill v's checks, locations, metrics and diagnosis (the caller sets the status)."""
-    _JUDGES[case.op](v, case, inputs, output, gold, baseline, ideal)
+def judge(v: Verdict, case: Case, inputs: Any, output: Output, gold: Any,
+          baseline: Output | Sequence[Output], ideal: Any) -> None:
+    """Fill v's checks, locations, metrics and diagnosis (the caller sets the status).
+    `baseline`: one Output or a family of them (mlacheck.harness.baselines; the pipeline
+    ops have one member, the eager baseline)."""
+    family = [baseline] if isinstance(baseline, Output) else list(baseline)
+    _JUDGES[case.op](v, case, inputs, output, gold, family[0], ideal)
     if output.wrote_into_guarded:
         viol = inputs.out.violations()
         v.checks.append(Check("guards", not viol, float(len(viol)), 0.0, "; ".join(viol)))

@@ -46,34 +46,65 @@ def resolve_device(spec: str) -> str:
 
 def gpu_count() -> int:
     """GPUs this process may use, without initialising the CUDA/HIP context: the machine's
-    (/sys/class/kfd, /proc/driver/nvidia), as many as HIP/ROCR/CUDA_VISIBLE_DEVICES leave
-    visible. Counting the machine's alone put 32 workers (8 per GPU x 4) on the one GPU that
-    CUDA_VISIBLE_DEVICES=0 left on a 4-GPU host: 45 inputs ran out of device memory."""
+    (/sys/class/kfd, /proc/driver/nvidia), as many as the *_VISIBLE_DEVICES the runtime reads
+    leave visible (_visible_ids). Counting the machine's alone put 32 workers (8 per GPU x 4)
+    on the one GPU that CUDA_VISIBLE_DEVICES=0 left on a 4-GPU host: 45 inputs ran out of
+    device memory."""
     override = os.environ.get("MLACHECK_NUM_GPUS")
     if override:
         return int(override)
-    on_machine = _machine_gpus()
-    visible = [_visible_count(os.environ[v]) for v in _VISIBLE_VARS if v in os.environ]
-    return min([on_machine, *visible]) if on_machine else 0
+    platform, total = _machine()
+    ids = _visible_ids(platform)
+    return total if ids is None else min(total, len(ids))
 
 
-# Each narrows what the next level sees (ROCm reads all three; CUDA the last).
 _VISIBLE_VARS = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 
 
-def _visible_count(value: str) -> int:
-    """Devices a *_VISIBLE_DEVICES value leaves: its entries up to the first invalid one
-    (the runtimes stop there; "" and "-1" hide every device)."""
-    n = 0
+def _machine() -> tuple[str, int]:
+    """("rocm" | "cuda" | "", GPUs): on ROCm the GPUs ROCR_VISIBLE_DEVICES leaves (HIP's
+    indices count those)."""
+    platform, n = _machine_gpus()
+    rocr = os.environ.get("ROCR_VISIBLE_DEVICES")
+    if platform == "rocm" and rocr is not None:
+        n = min(n, _visible_count(rocr))
+    return platform, n
+
+
+def _visible_ids(platform: str) -> list[str] | None:
+    """The device list the runtime numbers from (None: all of them), up to its first invalid
+    entry. ROCm's HIP runtime reads HIP_VISIBLE_DEVICES when it is not empty, else
+    CUDA_VISIBLE_DEVICES (rocclr: `HIP_VISIBLE_DEVICES[0] != '\\0' ? HIP_... : CUDA_...`);
+    CUDA reads only CUDA_VISIBLE_DEVICES. Platform unknown: the narrower of the two."""
+    hip, cuda = os.environ.get("HIP_VISIBLE_DEVICES"), os.environ.get("CUDA_VISIBLE_DEVICES")
+    if platform == "rocm":
+        value = hip or cuda or None
+    elif platform == "cuda":
+        value = cuda
+    else:
+        lists = [_entries(v) for v in (hip, cuda) if v is not None]
+        return min(lists, key=len) if lists else None
+    return None if value is None else _entries(value)
+
+
+def _entries(value: str) -> list[str]:
+    """A *_VISIBLE_DEVICES value's entries up to the first invalid one (the runtimes stop
+    there; "" and "-1" hide every device)."""
+    out = []
     for entry in value.split(","):
         entry = entry.strip()
         if not entry or entry.startswith("-"):
             break
-        n += 1
-    return n
+        out.append(entry)
+    return out
 
 
-def _machine_gpus() -> int:
+def _visible_count(value: str) -> int:
+    return len(_entries(value))
+
+
+def _machine_gpus() -> tuple[str, int]:
+    """The machine's GPUs and their platform, from the drivers' files (no runtime)."""
     kfd = Path("/sys/class/kfd/kfd/topology/nodes")
     if kfd.is_dir():  # ROCm: nodes with a non-zero gfx target are GPUs
         n = 0
@@ -82,9 +113,10 @@ def _machine_gpus() -> int:
             if props.is_file() and re.search(r"gfx_target_version\s+[1-9]", props.read_text()):
                 n += 1
         if n:
-            return n
+            return "rocm", n
     nv = Path("/proc/driver/nvidia/gpus")
-    return len(list(nv.iterdir())) if nv.is_dir() else 0
+    n = len(list(nv.iterdir())) if nv.is_dir() else 0
+    return ("cuda", n) if n else ("", 0)
 
 
 def check_expression(flag: str, expr: str | None) -> None:

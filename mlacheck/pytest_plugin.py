@@ -148,20 +148,24 @@ def _runs_the_suite(config: pytest.Config) -> bool:
 
 
 def _map_worker_to_device(index: int) -> None:
-    """Worker gwN sees one GPU: the N-th (modulo) of those visible to the controller.
+    """Worker gwN sees one GPU: the N-th (modulo) of those visible to the controller, named in
+    the variable the runtime reads (HIP_VISIBLE_DEVICES on ROCm, where it wins over
+    CUDA_VISIBLE_DEVICES; CUDA_VISIBLE_DEVICES on CUDA). The same list gpu_count() counts, so
+    gwN never names a GPU outside the job's subset (on ROCm with only CUDA_VISIBLE_DEVICES=2,3
+    set, a HIP_VISIBLE_DEVICES=0/1 of our own would have moved the workers onto GPUs 0 and 1).
 
     Must run before the worker touches the device; torch initialises CUDA/HIP lazily.
     """
-    for var in ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"):
-        visible = os.environ.get(var)
-        ids = [v for v in visible.split(",") if v] if visible else None
-        if ids is None:
-            from mlacheck.preflight import gpu_count
+    from mlacheck.preflight import _machine, _visible_ids, gpu_count
 
-            count = gpu_count()
-            if not count:
-                continue
-            ids = [str(i) for i in range(count)]
+    platform, _ = _machine()
+    listed = _visible_ids(platform)
+    count = gpu_count() or len(listed or [])  # no driver files: as the variables list
+    if not count:
+        return
+    ids = (listed or [str(i) for i in range(count)])[:count]
+    for var in {"rocm": ("HIP_VISIBLE_DEVICES",), "cuda": ("CUDA_VISIBLE_DEVICES",)}.get(
+            platform, ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")):
         os.environ[var] = ids[index % len(ids)]
 
 

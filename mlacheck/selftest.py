@@ -12,9 +12,9 @@ raises no false alarm on the correct backends.
    first one, and the checks that fired.
 2. For every fault a Hypothesis search (mlacheck.strategies' generators narrowed per fault,
    mlacheck.backends.faults.search) finds a failing case and shrinks it to a minimal one.
-3. The correct backends (torch, torch-split, torch-reverse, aiter-model,
-   aiter-model-nonpersistent) run the whole matrix under `--seeds` seeds: any FAIL or CRASH
-   (not explained by a documented finding, mlacheck/known.py) is a false alarm.
+3. The correct backends (torch, torch-split, torch-reverse, torch-lazy, torch-normalised,
+   aiter-model, aiter-model-nonpersistent) run the whole matrix under `--seeds` seeds: any FAIL
+   or CRASH (not explained by a documented finding, mlacheck/known.py) is a false alarm.
 
 Every run repeats the kernel on fresh inputs (RunOptions(repeat=2): the determinism check)
 where that matters: for the faults that only a repeated run shows, and for the correct
@@ -59,8 +59,8 @@ if TYPE_CHECKING:  # torch stays unimported until a run starts (`--help` is inst
     from mlacheck.matrices import MatrixCase
 
 DEFAULT_MATRIX = "selftest"
-CORRECT_BACKENDS = ("torch", "torch-split", "torch-reverse", "aiter-model",
-                    "aiter-model-nonpersistent")
+CORRECT_BACKENDS = ("torch", "torch-split", "torch-reverse", "torch-lazy", "torch-normalised",
+                    "aiter-model", "aiter-model-nonpersistent")
 # Under --quick the multi-GiB large-KV cases run on these correct backends only: the
 # backends the large-KV faults are planted in (the other two differ from torch only in
 # accumulation order, not in how they address the pool).
@@ -381,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault", action="append", default=None, metavar="NAME",
                    help="only this fault (repeatable; default: all)")
     p.add_argument("--backend", action="append", default=None, metavar="NAME",
-                   help="only this correct backend (repeatable; default: the five built-ins)")
+                   help="only this correct backend (repeatable; default: the seven "
+                        "built-ins, selftest.CORRECT_BACKENDS)")
     p.add_argument("--inner", default=None, metavar="NAME",
                    help="plant the faults in this backend where their mechanism allows (e.g. "
                         "aiter on a ROCm GPU); the others keep their default backend")

@@ -37,6 +37,10 @@ Layout = str  # a name in mlacheck.layouts.LAYOUTS (the layouts are defined ther
 PlacementKind = Literal["packed", "shuffled", "high"]
 Profile = Literal["realistic", "stress"]
 TailPoison = Literal["nan", "sentinel"]
+# How a case's input tensors are distributed (mlacheck.distributions draws them; it checks that
+# it defines exactly these): per-tensor stds (the default), a trained layer's shape, near-ties.
+Distribution = Literal["gaussian", "layer", "ties"]
+DISTRIBUTIONS: tuple[str, ...] = ("gaussian", "layer", "ties")
 
 
 @dataclass(frozen=True)
@@ -314,7 +318,10 @@ class _CaseBase:
         return any(q == 0 for q in self.q_lengths)
 
 
-def _check_common(num_heads: int, seed: int) -> None:
+def _check_common(num_heads: int, seed: int, distribution: str = "gaussian") -> None:
+    if distribution not in DISTRIBUTIONS:
+        raise ValueError(f"distribution must be one of {', '.join(DISTRIBUTIONS)}, "
+                         f"not {distribution!r}")
     for name, v in (("num_heads", num_heads), ("seed", seed)):
         if not isinstance(v, int) or isinstance(v, bool):  # 16.0 would give another case id
             raise ValueError(f"{name} must be an integer, got {v!r}")
@@ -340,9 +347,12 @@ class PrefillCase(_CaseBase):
     profile: Profile = "realistic"
     dims: MLADims = DEEPSEEK_V3
     seed: int = 0
+    # The input distribution (mlacheck.distributions). Added after the first schema.
+    distribution: Distribution = "gaussian"
+    LATER_FIELDS: ClassVar[frozenset[str]] = frozenset({"distribution"})
 
     def __post_init__(self) -> None:
-        _check_common(self.num_heads, self.seed)
+        _check_common(self.num_heads, self.seed, self.distribution)
         if not self.segments:
             raise ValueError("a prefill case needs at least one segment")
         for s in self.segments:
@@ -396,8 +406,14 @@ class PrefillCase(_CaseBase):
             f"p{self.paging.page_size}{layouts.get(self.paging.layout).tag}" if self.paging else "",
             self.placement.slug if self.paging else "",
             "stress" if self.profile == "stress" else "",
+            _distribution_slug(self.distribution),
         ]
         return "-".join(p for p in parts if p)
+
+
+def _distribution_slug(distribution: str) -> str:
+    """'' for the default (ids of cases from before the field are unchanged), else its name."""
+    return "" if distribution == "gaussian" else distribution
 
 
 class _Requests:
@@ -410,10 +426,11 @@ class _Requests:
     seed: int
     layout: Layout
     dims: MLADims
+    distribution: str
     return_lse = True  # decode always returns its LSE (not a field: no case id changes)
 
     def _check_decode(self) -> None:
-        _check_common(self.num_heads, self.seed)
+        _check_common(self.num_heads, self.seed, self.distribution)
         _check_page_size(self.page_size)
         _check_requests(self.requests)
         _check_pool_quant(self.quant)
@@ -475,7 +492,8 @@ class DecodeCase(_Requests, _CaseBase):
     # How the latent pool's pages are stored (mlacheck.layouts; "latent" pages take the
     # V flavour of a vectorized layout). Added after the first schema: a later field.
     layout: Layout = layouts.LINEAR.name
-    LATER_FIELDS: ClassVar[frozenset[str]] = frozenset({"layout"})
+    distribution: Distribution = "gaussian"  # as PrefillCase.distribution
+    LATER_FIELDS: ClassVar[frozenset[str]] = frozenset({"layout", "distribution"})
 
     def __post_init__(self) -> None:
         self._check_decode()
@@ -489,6 +507,7 @@ class DecodeCase(_Requests, _CaseBase):
             self.quant.slug,
             self.placement.slug,
             "stress" if self.profile == "stress" else "",
+            _distribution_slug(self.distribution),
         ]
         return "-".join(p for p in parts if p)
 
@@ -515,7 +534,8 @@ class SparseDecodeCase(_Requests, _CaseBase):
     dims: MLADims = DEEPSEEK_V3
     seed: int = 0
     layout: Layout = layouts.LINEAR.name  # as DecodeCase.layout
-    LATER_FIELDS: ClassVar[frozenset[str]] = frozenset({"layout"})
+    distribution: Distribution = "gaussian"  # as PrefillCase.distribution
+    LATER_FIELDS: ClassVar[frozenset[str]] = frozenset({"layout", "distribution"})
 
     def __post_init__(self) -> None:
         self._check_decode()
@@ -534,6 +554,7 @@ class SparseDecodeCase(_Requests, _CaseBase):
             self._page_slug,
             self.quant.slug,
             self.placement.slug,
+            _distribution_slug(self.distribution),
         ]
         return "-".join(p for p in parts if p)
 
@@ -1148,6 +1169,7 @@ def case_from_json(text: str) -> Case:
 __all__ = [
     "CASE_TYPES",
     "DEEPSEEK_V3",
+    "DISTRIBUTIONS",
     "FORMATS",
     "INDEXER_QUANT",
     "NO_YARN",

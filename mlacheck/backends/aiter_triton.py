@@ -39,6 +39,7 @@ Importing this module never imports triton or aiter. Smoke check (no pytest need
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -557,20 +558,17 @@ class AiterTritonBackend:
         got = load()
         if isinstance(got, str):
             raise RuntimeError(got)
+        decode = self._decode_rope if self.decode_entry == "grouped_rope" else self._decode
+        indexer = functools.partial(self._indexer, case)  # the V3.2 indexer's two ops
+        op_run = {Op.PREFILL: self._prefill, Op.PAGED_PREFILL: self._paged_prefill,
+                  Op.DECODE: decode, Op.SPARSE_DECODE: self._sparse,
+                  **dict.fromkeys(aiter_triton_indexer.ENTRIES, indexer)}[case.op]
         with torch.no_grad():
-            if case.op in aiter_triton_indexer.ENTRIES:
-                self._require(got, case.op)
-                return aiter_triton_indexer.run(got, case, inputs)
-            if isinstance(inputs, PrefillInputs):
-                if inputs.case.paging is not None:
-                    return self._paged_prefill(got, inputs)
-                return self._prefill(got, inputs)
-            assert isinstance(inputs, DecodeInputs)
-            if isinstance(case, SparseDecodeCase):
-                return self._sparse(got, inputs)
-            if self.decode_entry == "grouped_rope":
-                return self._decode_rope(got, inputs)
-            return self._decode(got, inputs)
+            return op_run(got, inputs)  # type: ignore[operator]
+
+    def _indexer(self, case: Case, got: Loaded, inputs: Inputs) -> Output:
+        self._require(got, case.op)
+        return aiter_triton_indexer.run(got, case, inputs)
 
     # -- helpers
     def _ops(self) -> dict[str, str]:

@@ -113,11 +113,13 @@ PREFILL_FP8_REASON = {  # 0.2.x, measured on the H100
     "kv_formats": "'fp8 tensor core is not supported in fa2 backend' (0.2.14.post1, measured)",
 }
 # FlashInfer's "infinity" is finite: math::inf = 5e4 (include/flashinfer/math.cuh). A row that
-# sees no key (a request with kv_len 0, planned as zero-length work in MLAPlan) keeps its
-# initial m = -5e4, d = 1 (mla.cuh init_states_) and gets output 0 and LSE log2(1) - 5e4.
-# Converted to mlacheck's -inf on exactly those rows; on the H100 the premerge top-k case with
-# `valid_cap: 0` FAILed on it ("worst inf") before.
-NO_KEY_LSE_BASE2 = torch.tensor([-5e4])
+# sees no key (a request with kv_len 0, planned as zero-length work in MLAPlan) keeps m = -5e4
+# (mla.cuh init_states_) and gets output 0 and LSE -5e4 + log2(d): measured on the H100 with
+# 0.2.14.post1, -49999 (fa2) and -49998 (fa3), base 2. At or below NO_KEY_LSE_BASE2_AT_MOST on
+# exactly those rows it is read as mlacheck's -inf; on the H100 the premerge top-k case with
+# `valid_cap: 0` FAILed on it ("worst inf") before. 64 above -5e4 leaves room for d up to 2^64
+# and is ~49900 below any LSE a row with keys can have.
+NO_KEY_LSE_BASE2_AT_MOST = torch.tensor([-5e4 + 64])
 # The last release line whose fa2 paged prefill requires identical K and V strides (read in
 # 0.2.14.post1's csrc/batch_prefill.cu; 0.7.2's batch_prefill_paged.cuh takes unequal ones).
 FA2_EQUAL_KV_STRIDES_UNTIL = (0, 2)
@@ -236,16 +238,9 @@ class FlashInferBackend(LibraryAdapter):
         got = self.loaded()
         if isinstance(got, str):
             raise RuntimeError(got)
-        if isinstance(case, PrefillCase):
-            assert isinstance(inputs, PrefillInputs)
-            out = (self._paged_prefill(got, case, inputs) if case.paging is not None
-                   else self._prefill(got, case, inputs))
-        elif isinstance(case, SparseDecodeCase):
-            assert isinstance(inputs, DecodeInputs)
-            out = self._sparse(got, case, inputs)
-        else:
-            assert isinstance(inputs, DecodeInputs) and isinstance(case, DecodeCase)
-            out = self._decode(got, case, inputs)
+        op_run = {Op.PREFILL: self._prefill, Op.PAGED_PREFILL: self._paged_prefill,
+                  Op.DECODE: self._decode, Op.SPARSE_DECODE: self._sparse}[case.op]
+        out = op_run(got, case, inputs)  # type: ignore[operator]
         out.metadata.setdefault("flashinfer", {}).update(version=got.version, kernel=self.kernel)
         return out
 
@@ -283,7 +278,8 @@ class FlashInferBackend(LibraryAdapter):
         lse = lse_tokens_heads(lse_natural(lse, LSE_BASE), case.total_q, case.num_heads)
         no_key = torch.repeat_interleave(kv_lens == 0, qo_indptr.diff().to(kv_lens.device))
         if bool(no_key.any()):
-            lse = lse_empty_rows(lse, no_key, float(lse_natural(NO_KEY_LSE_BASE2, LSE_BASE)))
+            lse = lse_empty_rows(lse, no_key, at_most=float(
+                lse_natural(NO_KEY_LSE_BASE2_AT_MOST, LSE_BASE)))
         return Output(out, lse, wrote_into_guarded=out.data_ptr() == inputs.out.out.data_ptr())
 
     def _decode(self, got: Loaded, case: DecodeCase, inputs: DecodeInputs) -> Output:

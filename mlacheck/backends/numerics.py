@@ -22,6 +22,7 @@ from mlacheck.golden.core import exact_matmuls
 
 # Online-softmax tile a typical MLA kernel uses along kv (AITER/FlashMLA use 64).
 DEFAULT_KV_BLOCK = 64
+_LN2 = 0.6931471805599453
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,15 @@ class Numerics:
     # Format the running output (P.V accumulator) is kept in between kv blocks: fp32 in every
     # correct kernel; "bf16" is the narrow-accumulation bug (fault:narrow-accumulation).
     acc_format: str = "fp32"
+    # Where P is rounded to the P format, two correct kernel families besides the default
+    # (P = exp(s - running max), the row's largest P exactly 1):
+    # p_normalised: P / l rounded (the normaliser known first: two-pass and split kernels
+    # that normalise before the PV product); the largest weight is rounded too.
+    p_normalised: bool = False
+    # lazy_rescale: the running max moves only when a tile's max passes it by more than
+    # this many powers of two (FlashAttention-4 uses 8 with 16-bit P): P = exp(s - stale max)
+    # reaches 2^lazy_rescale, and rescales of the accumulator are rare. 0: eager (default).
+    lazy_rescale: float = 0.0
 
 
 DEFAULT_NUMERICS = Numerics()  # what a correct kernel does: fp32 accumulation, 64-key tiles
@@ -102,7 +112,8 @@ def _online(
     causal: bool, p_format: str, nm: Numerics, soft_cap: float, kv_valid: torch.Tensor | None,
     q_positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if nm.acc_format != "fp32":  # a narrow accumulator is rounded tile by tile: sequential
+    # a narrow accumulator is rounded tile by tile, a lazy max moves tile by tile: sequential
+    if nm.acc_format != "fp32" or nm.lazy_rescale:
         return _online_sequential(q, k, v, lo, hi, scale, causal, p_format, nm, soft_cap,
                                   kv_valid, q_positions)
     sq, h, _ = q.shape
@@ -154,6 +165,15 @@ def _online_tiles(
     last_safe = torch.where(torch.isinf(last_max), torch.zeros_like(last_max), last_max)
     w = torch.exp(m_safe - last_safe)  # each tile's rescaling up to the last running max
     l = (p.sum(-1) * w).sum(-1, keepdim=True)  # [H, Sq, 1]
+    if nm.p_normalised:  # the weights P / l themselves rounded, then summed: already normalised
+        pn = (p * (w / l.clamp_min(torch.finfo(p.dtype).tiny)).unsqueeze(-1))
+        p_r = (fp8.round_trip(pn, p_format) if p_format != "fp32" else pn).view(h, sq,
+                                                                                  tiles * blk)
+        vv = v[lo:hi].permute(1, 0, 2)
+        if pad:
+            vv = torch.nn.functional.pad(vv, (0, 0, 0, pad))
+        o, lse = _normalised(torch.matmul(p_r, vv), torch.ones_like(l), last_max)
+        return o, lse + torch.log(l).squeeze(-1).permute(1, 0)
     p_r = fp8.round_trip(p, p_format) if p_format != "fp32" else p
     p_r = (p_r * w.unsqueeze(-1)).view(h, sq, tiles * blk)
     vv = v[lo:hi].permute(1, 0, 2)  # [Hk, n, Dv]
@@ -181,6 +201,8 @@ def _online_sequential(
         vb = v[b0:b1].permute(1, 0, 2)  # [Hk, n, Dv]
         s = _scores(qh, k, b0, b1, scale, soft_cap, causal, kv_valid, q_positions)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        if nm.lazy_rescale:  # keep the stale max unless the new one passes it by the threshold
+            m_new = torch.where(m_new > m + nm.lazy_rescale * _LN2, m_new, m)
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         alpha = torch.exp(m - m_safe)
         p = torch.exp(s - m_safe)

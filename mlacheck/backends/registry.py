@@ -19,6 +19,8 @@ BUILTIN: dict[str, str] = {
     "torch": "mlacheck.backends.torch_ref:factory",
     "torch-split": "mlacheck.backends.torch_ref:split_factory",
     "torch-reverse": "mlacheck.backends.torch_ref:reverse_factory",
+    "torch-lazy": "mlacheck.backends.torch_ref:lazy_factory",
+    "torch-normalised": "mlacheck.backends.torch_ref:normalised_factory",
     "aiter": "mlacheck.backends.aiter:factory",
     "aiter-nonpersistent": "mlacheck.backends.aiter:nonpersistent_factory",
     "aiter-model": "mlacheck.backends.aiter:model_factory",

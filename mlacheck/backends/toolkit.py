@@ -64,16 +64,18 @@ def lse_natural(lse: torch.Tensor, base: float = math.e) -> torch.Tensor:
 
 
 def lse_empty_rows(lse: torch.Tensor, empty: torch.Tensor,
-                   library_value: float = math.inf) -> torch.Tensor:
+                   library_value: float = math.inf, *,
+                   at_most: float | None = None) -> torch.Tensor:
     """mlacheck's LSE of a row that sees no key is -inf (output 0); FlashMLA's sparse decode
     writes +inf there ("lonely" query rows). `empty` [T] or [T, H] marks the rows that see
     no key (known from the inputs, e.g. a top-k row of -1 only): `library_value` there
     becomes -inf. Elsewhere nothing changes, so a +inf where a row does see keys (an
-    overflow) still reaches the judge."""
+    overflow) still reaches the judge. `at_most`: a library whose "-inf" is a large negative
+    finite value that varies a little (FlashInfer's) is read as -inf at or below it."""
     empty = empty.to(lse.device)
     if empty.dim() < lse.dim():
         empty = empty.reshape(*empty.shape, *([1] * (lse.dim() - empty.dim())))
-    hit = empty & (lse == library_value)
+    hit = empty & ((lse <= at_most) if at_most is not None else (lse == library_value))
     return torch.where(hit, torch.full_like(lse, -math.inf), lse)
 
 

@@ -178,3 +178,19 @@ def split_factory() -> TorchBackend:
 def reverse_factory() -> TorchBackend:
     """KV tiles visited last to first: another accumulation order."""
     return TorchBackend(Numerics(kv_block=16, reverse=True), "torch-reverse")
+
+
+# FlashAttention-4's rescale threshold is 2^8 with 16-bit P; an FP8 P must stay below the
+# format's max (e4m3fnuz: 240), so a kernel with FP8 P lets it reach 2^7 at most.
+LAZY_RESCALE_LOG2 = 7.0
+
+
+def lazy_factory() -> TorchBackend:
+    """A lazily rescaled online softmax (the running max moves only past a 2^7 jump; P may
+    reach 2^7 before its FP8 rounding): another correct way to round P."""
+    return TorchBackend(Numerics(lazy_rescale=LAZY_RESCALE_LOG2), "torch-lazy")
+
+
+def normalised_factory() -> TorchBackend:
+    """P rounded after normalisation (P / l, the largest weight not exactly 1)."""
+    return TorchBackend(Numerics(p_normalised=True), "torch-normalised")

@@ -58,7 +58,7 @@ class KernelVerdicts:
 
     def _judge(self, case: Case, inputs: Inputs, output: Output, backend: Backend,
                step: int | None) -> None:
-        units = case.segments if isinstance(case, PrefillCase) else case.requests
+        units = case.units
         batch = (self._prefills - 1) // self.layers
         rec: dict[str, Any] = {"op": case.op, "batch": batch, "step": step,
                                "units": len(units)}

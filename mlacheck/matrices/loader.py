@@ -25,9 +25,20 @@ naming the file and the problem in one line):
         exclude:                        # optional: drop combinations matching ALL keys of a rule
           - {paging.layout: vectorized, paging.page_size: 1}
 
+A group may instead be a covering array (mlacheck/coverage.py) over its op's factors:
+
+      - name: decode-pairwise
+        kind: decode
+        covering: {strength: 2}         # every feasible pair of factor levels in some case;
+                                        # optional op (prefill: mla_prefill or paged_prefill)
+                                        # and seed (another, equally covering, construction)
+        base: {...}                     # fields under the realised ones (optional)
+        seeds: [0]                      # optional; `axes` and `exclude` do not combine with it
+
 Fields are those of the case dataclass of `kind` (spec.py; spec.case_from_dict checks every
 field's type). The batch is required, in base or an axis: `segments` (prefill) or `requests`
-(decode, sparse). Every problem of a file is reported in one error. Nested fields are mappings:
+(decode, sparse); a covering group's rows realise it. Every problem of a file is reported in one
+error. Nested fields are mappings:
 `quant: {q: fp8_e4m3fn, kv: fp8_e4m3fn, scale: unit}`, `placement: {kind: high, offset_bytes:
 4294967296}`, `paging: {page_size: 16, layout: vectorized}`, `dims: {rope_factor: 1.0}`.
 An axis key may be a field (`num_heads`) or a dotted path into a nested field
@@ -62,7 +73,7 @@ from typing import Any
 
 import yaml
 
-from mlacheck import boundaries, bugclasses
+from mlacheck import boundaries, bugclasses, coverage
 from mlacheck.markers import KNOWN_MARKERS
 from mlacheck.spec import (
     CASE_TYPES,
@@ -83,7 +94,12 @@ CANONICAL_ORDER = ("smoke", "premerge", "nightly", "full")
 # What a group's `covers:` entries may name: a class of the one catalogue,
 # mlacheck/bugclasses.py (a bug class by its number, a boundary class by its name).
 
-GROUP_KEYS = ("name", "kind", "covers", "base", "axes", "seeds", "markers", "exclude")
+GROUP_KEYS = ("name", "kind", "covers", "base", "axes", "seeds", "markers", "exclude",
+              "covering")
+COVERING_KEYS = ("strength", "op", "seed")
+# The ops a covering group of each kind may build (the first unless it names another).
+_COVERING_OPS = {"decode": (coverage.DECODE,), "sparse": (coverage.SPARSE,),
+                 "prefill": (coverage.PREFILL, coverage.PAGED)}
 TOP_KEYS = ("name", "description", "include", "shared", "groups")
 
 _NESTED_TYPES: dict[str, type] = {
@@ -351,16 +367,20 @@ def _expand_group(group: Any, index: int, file: str, seen: set[str]) -> list[Mat
         for key in rule:
             _check_path(kind, str(key), where, "exclude key")
 
-    lacking = [k for k in REQUIRED[kind] if k not in base and k not in axes]
-    if lacking:
-        raise MatrixError(f"{where}: missing required field(s) {', '.join(lacking)} (in base or "
-                          "axes): a case's batch is never a silent default")
-
+    if "covering" in group:  # the covering array realises the batch
+        if set(axes) - {"seed"} or rules:
+            raise MatrixError(f"{where}: a covering group takes no axes or exclude (only seeds)")
+        combos = _covering_combos(group["covering"], kind, base, axes.get("seed"), where)
+    else:
+        lacking = [k for k in REQUIRED[kind] if k not in base and k not in axes]
+        if lacking:
+            raise MatrixError(f"{where}: missing required field(s) {', '.join(lacking)} (in base "
+                              "or axes): a case's batch is never a silent default")
+        combos = [(combo, _resolve_fields(base, combo)) for combo in _combinations(axes)]
     out: list[MatrixCase] = []
     bad: list[str] = []  # every combination's problem, then one error
     rule_hits = [0] * len(rules)
-    for combo in _combinations(axes):
-        fields = _resolve_fields(base, combo)
+    for combo, fields in combos:
         hit = [i for i, r in enumerate(rules) if _matches(kind, fields, r)]
         for i in hit:
             rule_hits[i] += 1
@@ -388,6 +408,33 @@ def _expand_group(group: Any, index: int, file: str, seen: set[str]) -> list[Mat
         raise MatrixError(f"{where}: " + "; ".join(shown))
     if not out:
         raise MatrixError(f"{where}: every combination is excluded")
+    return out
+
+
+def _covering_combos(spec: Any, kind: str, base: Mapping[str, Any], seeds: list[Any] | None,
+                     where: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(label, fields) for every row of the group's covering array (x seeds), realised by
+    mlacheck.coverage and merged over the base."""
+    if not isinstance(spec, dict):
+        raise MatrixError(f"{where}: covering must be a mapping with strength (and optional "
+                          "op, seed)")
+    _unknown(spec, COVERING_KEYS, where, "covering key")
+    strength, op = spec.get("strength"), spec.get("op", _COVERING_OPS[kind][0])
+    seed = spec.get("seed", 0)
+    if strength not in coverage.CANDIDATES or isinstance(seed, bool) or not isinstance(seed, int):
+        raise MatrixError(f"{where}: covering strength must be one of "
+                          f"{', '.join(map(str, coverage.CANDIDATES))} and seed an integer")
+    if op not in _COVERING_OPS[kind]:
+        raise MatrixError(f"{where}: covering op {op!r} is not an op of a {kind} case "
+                          f"({', '.join(_COVERING_OPS[kind])})")
+    out = []
+    for i, realised in enumerate(coverage.covering_cases(op, strength, seed)):
+        for s in seeds if seeds is not None else [None]:
+            fields = _resolve_fields(base, realised)
+            label = {"row": i, **({"seed": s} if s is not None else {})}
+            if s is not None:
+                fields["seed"] = s
+            out.append((label, fields))
     return out
 
 

@@ -68,3 +68,37 @@ def test_narrow_accumulation_keeps_the_tile_loop() -> None:
     assert torch.equal(got[0], want[0])
     wide = nu._online(q, k, v, 0, 4096, 0.1, False, "bf16", nu.Numerics(), 0.0, None, pos)
     assert not torch.allclose(got[0], wide[0], rtol=1e-3, atol=1e-4)  # the bug stays visible
+
+
+@pytest.mark.parametrize("nm", [nu.Numerics(lazy_rescale=7.0), nu.Numerics(lazy_rescale=1.0),
+                                nu.Numerics(p_normalised=True)], ids=["lazy7", "lazy1", "norm"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_other_p_rounding_families_are_exact_in_real_arithmetic(nm: nu.Numerics,
+                                                               causal: bool) -> None:
+    """A lazily rescaled running max and P rounded after normalisation change only where P
+    is rounded: with an fp32 P they are the default numerics to fp32 reassociation, and their
+    P stays below the FP8 formats' max (a lazy P reaches 2^lazy_rescale at most)."""
+    q, k, v = _data(6, 4, 4, 700, 192, 128, seed=5)
+    q = q * 3  # peaked rows: the running max jumps between tiles
+    pos = torch.arange(6) + 694
+    with nu.exact_matmuls():
+        want = nu._online(q, k, v, 0, 700, 0.2, causal, "fp32", nu.Numerics(), 0.0, None, pos)
+        got = nu._online(q, k, v, 0, 700, 0.2, causal, "fp32", nm, 0.0, None, pos)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
+    with nu.exact_matmuls():  # and rounded to e4m3fnuz (max 240): no overflow, a few % off
+        fp8 = nu._online(q, k, v, 0, 700, 0.2, causal, "fp8_e4m3fnuz", nm, 0.0, None, pos)
+    assert torch.isfinite(fp8[0]).all()
+    assert float((fp8[0] - want[0]).norm() / want[0].norm()) < 0.1
+
+
+@pytest.mark.parametrize("nm", [nu.Numerics(lazy_rescale=7.0), nu.Numerics(p_normalised=True)],
+                         ids=["lazy7", "norm"])
+@pytest.mark.parametrize("sq, sk", [(0, 7), (3, 0)])
+def test_other_p_rounding_families_take_empty_rows(nm: nu.Numerics, sq: int, sk: int) -> None:
+    """No query (an empty request) or no key (a row that sees nothing): shapes, 0 and -inf."""
+    q, k, v = _data(sq, 2, 2, sk, 192, 128)
+    pos = torch.arange(sq) + (sk - sq)
+    out, lse = nu._online(q, k, v, 0, sk, 0.1, True, "fp8_e4m3fn", nm, 0.0, None, pos)
+    assert out.shape == (sq, 2, 128) and lse.shape == (sq, 2)
+    assert (out == 0).all() and torch.isneginf(lse).all()

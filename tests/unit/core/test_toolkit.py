@@ -43,6 +43,16 @@ def test_lse_of_rows_without_keys_becomes_minus_inf_there_only() -> None:
     assert torch.equal(lse_empty_rows(lse, torch.zeros(3, 2, dtype=torch.bool)), lse)
 
 
+def test_a_finite_minus_inf_is_read_at_or_below_its_ceiling_on_rows_without_keys() -> None:
+    """FlashInfer's no-key LSE is -5e4 + log2(d) (base 2): -49999 / -49998 measured."""
+    lse = torch.tensor([[-49999.0, -49998.0], [-49999.0, 3.0], [7.0, -49999.0]])
+    empty = torch.tensor([True, False, True])
+    got = lse_empty_rows(lse, empty, at_most=-5e4 + 64)
+    inf = math.inf
+    # row 1 sees keys: its value stays; row 2's 7.0 is not the library's -inf: it stays too
+    assert torch.equal(got, torch.tensor([[-inf, -inf], [-49999.0, 3.0], [7.0, -inf]]))
+
+
 def test_heads_first_is_transposed_even_when_square() -> None:
     n = 4
     heads_by_tokens = torch.arange(n * n, dtype=torch.float32).reshape(n, n)

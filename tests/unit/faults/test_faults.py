@@ -45,7 +45,8 @@ from mlacheck.spec import (
 )
 from mlacheck.verdict import CRASH, FAIL, PASS, Verdict
 
-CORRECT = ("torch", "torch-split", "torch-reverse", "aiter-model", "aiter-model-nonpersistent")
+CORRECT = ("torch", "torch-split", "torch-reverse", "torch-lazy", "torch-normalised",
+           "aiter-model", "aiter-model-nonpersistent")
 BATCH = (Request(1, 37), Request(1, 100), Request(1, 64))  # partial, multi-page, full last page
 FNUZ = Quant("fp8_e4m3fnuz", "fp8_e4m3fnuz", "amax")
 # Offset models: 24 bits (megabyte pools, the default run) and the real 32 (the slow tier:

@@ -321,3 +321,43 @@ def test_every_problem_of_a_file_in_one_message(tmp_path: Path) -> None:
     assert "group 'fine'" not in message
     assert "requests[0].kv_len must be an integer, got '37' (a string)" in message
     assert "need 0 <= q_len <= kv_len" in message  # the third combination, same group
+
+
+# --------------------------------------------------------------------------- covering groups
+
+
+def test_a_covering_group_is_its_ops_covering_array(tmp_path: Path) -> None:
+    from mlacheck import coverage
+
+    path = write(tmp_path, "m", """
+        groups:
+          - name: pw
+            kind: prefill
+            covering: {strength: 2, op: paged_prefill}
+            base: {seed: 0}
+            seeds: [0, 5]
+    """)
+    cases = [mc.case for mc in load(str(path)).cases]
+    rows = coverage.covering_array(coverage.PAGED, 2)
+    assert len(cases) == 2 * len(rows)
+    assert {c.seed for c in cases} == {0, 5}
+    assert all(c.op == coverage.PAGED for c in cases)
+    assert not coverage.uncovered(cases, coverage.PAGED, 2)
+
+
+@pytest.mark.parametrize("covering, extra, message", [
+    ("{strength: 4}", "", "strength must be one of 2, 3"),
+    ("{strength: 2, op: mla_decode}", "", "is not an op of a prefill case"),
+    ("{strength: 2, width: 3}", "", "unknown covering key"),
+    ("2", "", "covering must be a mapping"),
+    ("{strength: 2}", "axes: {num_heads: [8, 16]}", "takes no axes or exclude"),
+])
+def test_covering_group_errors(tmp_path: Path, covering: str, extra: str, message: str) -> None:
+    path = write(tmp_path, "m", f"""
+        groups:
+          - name: pw
+            kind: prefill
+            covering: {covering}
+            {extra}
+    """)
+    assert message in error_of(path)

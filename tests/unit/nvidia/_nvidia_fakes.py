@@ -191,6 +191,7 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
         def __init__(self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None,  # noqa: ANN001
                      kv_indptr=None, kv_indices=None, kv_len_arr=None, backend="auto"):
             self.plan_args: dict[str, Any] = {}
+            self.backend = backend
 
         def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv,  # noqa: ANN001, ANN201
                  head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type,
@@ -219,8 +220,9 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
                 lo, hi = a["qo"][r], a["qo"][r + 1]
                 if hi == lo:
                     continue
-                if n == 0:  # mla.cuh: m stays at -math::inf = -5e4 (finite), d = 1, output 0
-                    out[lo:hi], lse_out[lo:hi] = 0, -5e4
+                if n == 0:  # mla.cuh: m stays at -math::inf = -5e4 (finite); output 0; the
+                    # H100 (0.2.14.post1) wrote LSE -49999 (fa2) / -49998 (fa3)
+                    out[lo:hi], lse_out[lo:hi] = 0, (-49999.0 if self.backend == "fa2" else -49998.0)
                     continue
                 pages = a["kvi"][a["kvp"][r]: a["kvp"][r + 1]]
                 kv = torch.cat([_take(ckv_cache, pages).float() * ckv_s,

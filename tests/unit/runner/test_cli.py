@@ -232,19 +232,28 @@ def test_default_workers_use_the_cores_the_memory_can_hold(monkeypatch) -> None:
     monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(128)), raising=False)
     monkeypatch.setattr(cli, "_available_gib", lambda: 2000.0)
     assert cli._default_workers("cuda") == 64  # 8 GPUs x 8
+    # an 8x H100 node of 560 GiB: 8 per GPU (a worker's largest process was 1.7 GiB on the
+    # H100 and H200 nightlies of 2026-11-26; at 13.6 GiB a worker it was 5 per GPU)
+    monkeypatch.setattr(cli, "_available_gib", lambda: 540.0)
+    assert cli._default_workers("cuda") == 64
 
 
-@pytest.mark.parametrize(("env", "expected"), [
-    ({}, 4),
-    ({"CUDA_VISIBLE_DEVICES": "0"}, 1),
-    ({"CUDA_VISIBLE_DEVICES": "2,3"}, 2),
-    ({"HIP_VISIBLE_DEVICES": "0,1,2", "CUDA_VISIBLE_DEVICES": "0"}, 1),
-    ({"ROCR_VISIBLE_DEVICES": "1"}, 1),
-    ({"CUDA_VISIBLE_DEVICES": ""}, 0),
-    ({"CUDA_VISIBLE_DEVICES": "1,-1,2"}, 1),  # the runtime stops at the first invalid entry
-    ({"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, 4),  # never more than the machine has
+@pytest.mark.parametrize(("platform", "env", "expected"), [
+    ("cuda", {}, 4),
+    ("cuda", {"CUDA_VISIBLE_DEVICES": "0"}, 1),
+    ("cuda", {"CUDA_VISIBLE_DEVICES": "2,3"}, 2),
+    ("cuda", {"HIP_VISIBLE_DEVICES": "0,1,2", "CUDA_VISIBLE_DEVICES": "0"}, 1),  # CUDA reads CUDA's
+    ("cuda", {"ROCR_VISIBLE_DEVICES": "1"}, 4),  # not read on CUDA
+    ("cuda", {"CUDA_VISIBLE_DEVICES": ""}, 0),
+    ("cuda", {"CUDA_VISIBLE_DEVICES": "1,-1,2"}, 1),  # the runtime stops at the first invalid entry
+    ("cuda", {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, 4),  # never more than the machine has
+    ("rocm", {"ROCR_VISIBLE_DEVICES": "1"}, 1),
+    ("rocm", {"CUDA_VISIBLE_DEVICES": "2,3"}, 2),  # HIP reads CUDA_VISIBLE_DEVICES without its own
+    ("rocm", {"HIP_VISIBLE_DEVICES": "0,1,2", "CUDA_VISIBLE_DEVICES": "0"}, 3),  # HIP's wins
+    ("rocm", {"HIP_VISIBLE_DEVICES": "", "CUDA_VISIBLE_DEVICES": "0"}, 1),  # an empty one is unset
+    ("rocm", {"ROCR_VISIBLE_DEVICES": "0,1", "HIP_VISIBLE_DEVICES": "0,1,2"}, 2),
 ])
-def test_gpu_count_is_what_the_visible_devices_leave(monkeypatch, env, expected) -> None:  # noqa: ANN001
+def test_gpu_count_is_what_the_visible_devices_leave(monkeypatch, platform, env, expected) -> None:  # noqa: ANN001
     """On a 4-GPU host with CUDA_VISIBLE_DEVICES=0 the default put 8 workers per GPU x 4 on the
     one visible GPU (H200 x4, 2026-11-26: 45 inputs ran out of device memory)."""
     from mlacheck import preflight
@@ -253,8 +262,38 @@ def test_gpu_count_is_what_the_visible_devices_leave(monkeypatch, env, expected)
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    monkeypatch.setattr(preflight, "_machine_gpus", lambda: 4)
+    monkeypatch.setattr(preflight, "_machine_gpus", lambda: (platform, 4))
     assert preflight.gpu_count() == expected
+
+
+@pytest.mark.parametrize(("platform", "env", "var", "workers_see"), [
+    ("cuda", {}, "CUDA_VISIBLE_DEVICES", ["0", "1", "2", "3", "0"]),
+    ("cuda", {"CUDA_VISIBLE_DEVICES": "2,3"}, "CUDA_VISIBLE_DEVICES", ["2", "3", "2", "3", "2"]),
+    ("cuda", {"CUDA_VISIBLE_DEVICES": "3,1,-1,0"}, "CUDA_VISIBLE_DEVICES", ["3", "1", "3", "1", "3"]),
+    ("rocm", {}, "HIP_VISIBLE_DEVICES", ["0", "1", "2", "3", "0"]),
+    # a ROCm job restricted with CUDA_VISIBLE_DEVICES alone stays on its GPUs: HIP_VISIBLE_DEVICES
+    # (which the HIP runtime reads first) names them, not 0..N-1 of the node
+    ("rocm", {"CUDA_VISIBLE_DEVICES": "2,3"}, "HIP_VISIBLE_DEVICES", ["2", "3", "2", "3", "2"]),
+    ("rocm", {"HIP_VISIBLE_DEVICES": "1,3", "CUDA_VISIBLE_DEVICES": "0"}, "HIP_VISIBLE_DEVICES",
+     ["1", "3", "1", "3", "1"]),
+    ("rocm", {"ROCR_VISIBLE_DEVICES": "2,3"}, "HIP_VISIBLE_DEVICES", ["0", "1", "0", "1", "0"]),
+])
+def test_each_worker_gets_one_gpu_of_the_jobs_subset(monkeypatch, platform, env, var, workers_see) -> None:  # noqa: ANN001
+    """Worker gwK gets the K-th GPU (modulo) of exactly the GPUs gpu_count() counted, in the
+    variable the runtime reads."""
+    from mlacheck import preflight, pytest_plugin
+
+    seen = []
+    for k in range(len(workers_see)):
+        for v in ("MLACHECK_NUM_GPUS", *preflight._VISIBLE_VARS):
+            monkeypatch.delenv(v, raising=False)
+        for v, value in env.items():
+            monkeypatch.setenv(v, value)
+        monkeypatch.setattr(preflight, "_machine_gpus", lambda: (platform, 4))
+        pytest_plugin._map_worker_to_device(k)
+        seen.append(os.environ[var])
+        assert preflight.gpu_count() == 1  # the worker sees its one GPU
+    assert seen == workers_see
 
 
 def test_list_coverage_per_backend(capsys: pytest.CaptureFixture[str]) -> None:
