@@ -29,11 +29,12 @@ from mlacheck import layouts
 from mlacheck.spec import (
     DISTRIBUTIONS,
     Case,
+    Op,
     PrefillCase,
     SparseDecodeCase,
 )
 
-DECODE, SPARSE, PREFILL, PAGED = "mla_decode", "mla_sparse_decode", "mla_prefill", "paged_prefill"
+DECODE, SPARSE, PREFILL, PAGED = Op.DECODE, Op.SPARSE_DECODE, Op.PREFILL, Op.PAGED_PREFILL
 OPS: tuple[str, ...] = (DECODE, SPARSE, PREFILL, PAGED)
 
 # Head counts per rank: 128 / TP for TP 1..16, the padded counts below 16, Kimi-style 48 and
