@@ -24,7 +24,7 @@ MAX_BATCH = 128
 SMOKE_MAX_CASES = 64  # smoke is one small case per feature (60 before the 6 sparse-path ops: +7)
 SMOKE_CPU_SECONDS = 60  # the budget smoke must meet on a 2-core CPU with the torch backend
 # moderate: CPU-feasible, minutes on a GPU (half of it the covering arrays since issue 34)
-PREMERGE_CASES = range(150, 501)
+PREMERGE_CASES = range(150, 551)  # 459 with issue 34, + 55 of the sparse path (issue 29)
 
 
 @pytest.fixture(scope="module")
