@@ -1,7 +1,9 @@
-"""Sensitivity of the judge: the smallest single-row relative perturbation it catches, per input
-format and op, over N seeds, and the false-alarm rate of correct backends on the same cases.
+"""Sensitivity of the judge: the smallest single-row and whole-tensor relative perturbation it
+catches, per input format and op, over N seeds, and the false-alarm rate of correct backends
+on the same cases.
 
     python benchmarks/sensitivity.py --seeds 20 --json sensitivity.json
+    python benchmarks/sensitivity.py --seeds 20 --mode tensor --json sensitivity-tensor.json
 
 For each (op, format) the representative case below is built under seeds 0..N-1. The fault
 is `fault:perturb-row` (mlacheck.backends.faults.generic.PerturbRow): the correct `torch`
@@ -14,6 +16,11 @@ median per-seed threshold, the row bound the judge used (median), and, at the sa
 settings, the FAIL count of the correct backends torch-split, torch-reverse, torch-lazy,
 torch-normalised and aiter-model
 over the same seeded cases (SKIP where a backend does not take the case).
+
+`--mode tensor` scales EVERY row by (1 + delta) instead (a systematic error: each row's
+error is delta). Each threshold is measured twice: with every check of the judge ("after"),
+and counting only the checks the judge had before the rows were judged together ("before":
+a FAIL of rms_error / max_abs_error alone does not count).
 """
 
 from __future__ import annotations
@@ -53,6 +60,9 @@ BASES: dict[str, Case] = {
 }
 DELTA_HI = 1.0
 BISECT_STEPS = 14  # relative resolution 2^-14 of [0, 1] on a log-free scale is plenty
+# The checks added to judge the rows together (docs/detection.md "Anchor rules"): left out,
+# the judge is the one before them.
+ROWS_TOGETHER = frozenset({"rms_error", "max_abs_error"})
 
 
 def case_for(op: str, fmt: str, seed: int) -> Case:
@@ -74,45 +84,52 @@ def _prepared(case: Case) -> dict[str, Any]:
     return {"inputs": inp, "out": res, "gold": gold, "ideal": ideal, "baseline": [base, *others]}
 
 
-def _caught(case: Case, prep: dict[str, Any], delta: float,
-            fault: PerturbRow) -> tuple[bool, float]:
+def _caught(case: Case, prep: dict[str, Any], delta: float, fault: PerturbRow,
+            mode: str = "row", ignored: frozenset[str] = frozenset()) -> tuple[bool, float]:
     out = prep["out"]
     o = out.out.clone()
-    t, h = fault.row(case, o)
-    o[t, h] = (o[t, h].float() * (1.0 + delta)).to(o.dtype)
+    if mode == "tensor":
+        o = (o.float() * (1.0 + delta)).to(o.dtype)
+    else:
+        t, h = fault.row(case, o)
+        o[t, h] = (o[t, h].float() * (1.0 + delta)).to(o.dtype)
     v = judge.verdict(case, prep["inputs"], Output(o, out.lse), prep["gold"], prep["baseline"],
                       prep["ideal"], "fault:perturb-row")
-    return v.status == FAIL, float(v.metrics.get("bound", float("nan")))
+    counted = {c.name for c in v.failed_checks} - ignored
+    return v.status == FAIL and bool(counted), float(v.metrics.get("bound", float("nan")))
 
 
-def threshold(case: Case, prep: dict[str, Any], fault: PerturbRow) -> tuple[float, float]:
+def threshold(case: Case, prep: dict[str, Any], fault: PerturbRow, mode: str = "row",
+              ignored: frozenset[str] = frozenset()) -> tuple[float, float]:
     """(smallest delta the judge catches on this case, the row bound), by bisection."""
     lo, hi = 0.0, DELTA_HI
-    ok, bound = _caught(case, prep, hi, fault)
+    ok, bound = _caught(case, prep, hi, fault, mode, ignored)
     if not ok:
         return float("inf"), bound
-    if _caught(case, prep, 0.0, fault)[0]:
+    if _caught(case, prep, 0.0, fault, mode, ignored)[0]:
         return 0.0, bound  # the unperturbed output fails: a false alarm, reported as such
     for _ in range(BISECT_STEPS):
         mid = (lo + hi) / 2
-        if _caught(case, prep, mid, fault)[0]:
+        if _caught(case, prep, mid, fault, mode, ignored)[0]:
             hi = mid
         else:
             lo = mid
     return hi, bound
 
 
-def measure(op: str, fmt: str, seeds: int, correct: list[Any]) -> dict[str, Any]:
+def measure(op: str, fmt: str, seeds: int, correct: list[Any], mode: str = "row"
+            ) -> dict[str, Any]:
     fault = PerturbRow(TorchBackend(), "fault:perturb-row")
-    per_seed, bounds = [], []
+    per_seed, bounds, before = [], [], []
     alarms: dict[str, dict[str, int]] = {b.name: {PASS: 0, FAIL: 0, SKIP: 0, "CRASH": 0}
                                          for b in correct}
     for seed in range(seeds):
         case = case_for(op, fmt, seed)
         prep = _prepared(case)
-        d, bound = threshold(case, prep, fault)
+        d, bound = threshold(case, prep, fault, mode)
         per_seed.append(d)
         bounds.append(bound)
+        before.append(threshold(case, prep, fault, mode, ROWS_TOGETHER)[0])
         del prep
         for b in correct:
             v = run_case(case, b, RunOptions())
@@ -123,6 +140,9 @@ def measure(op: str, fmt: str, seeds: int, correct: list[Any]) -> dict[str, Any]
         "delta_all_seeds": max(per_seed) if per_seed else float("nan"),
         "delta_median": statistics.median(finite) if finite else float("nan"),
         "delta_per_seed": per_seed,
+        "mode": mode,
+        "before_all_seeds": max(before) if before else float("nan"),
+        "before_per_seed": before,
         "bound_median": statistics.median(bounds),
         "target": TARGETS[fmt],
         "met": max(per_seed) <= TARGETS[fmt],
@@ -145,20 +165,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", action="append", choices=FORMATS, default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--mode", choices=("row", "tensor"), default="row",
+                   help="perturb one row (default) or every row")
+    p.add_argument("--no-false-alarms", action="store_true",
+                   help="skip the correct backends' runs (thresholds only)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    correct = [resolve(n) for n in CORRECT]
+    correct = [] if a.no_false_alarms else [resolve(n) for n in CORRECT]
     rows = []
     start = time.time()
-    print("| op | format | delta caught in all seeds | median per-seed | row bound (median) | "
-          "target | met | false alarms (FAIL/run) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"{a.mode} perturbation")
+    print("| op | format | delta caught in all seeds | median per-seed | before (all seeds) | "
+          "row bound (median) | target | met | false alarms (FAIL/run) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for op in a.op or list(BASES):
         for fmt in a.format or list(FORMATS):
-            r = measure(op, fmt, a.seeds, correct)
+            r = measure(op, fmt, a.seeds, correct, a.mode)
             rows.append(r)
             print(f"| {op} | {fmt} | {r['delta_all_seeds']:.4f} | {r['delta_median']:.4f} | "
-                  f"{r['bound_median']:.4f} | {r['target']:.2f} | "
+                  f"{r['before_all_seeds']:.4f} | {r['bound_median']:.4f} | {r['target']:.2f} | "
                   f"{'yes' if r['met'] else 'NO'} | {_fa(r['false_alarms'])} |", flush=True)
     print(f"({time.time() - start:.0f}s, {a.seeds} seeds)")
     if a.json:

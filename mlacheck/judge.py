@@ -15,6 +15,7 @@ run measured (timings, device memory) lies beside it (mlacheck.harness.CaseResul
 from __future__ import annotations
 
 import json
+import math
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,16 @@ from mlacheck.backends.base import Output
 from mlacheck.golden.core import Result
 from mlacheck.inputs import Inputs, PrefillInputs
 from mlacheck.kvcache import byte_region
-from mlacheck.localise import diagnose, localise, shared_properties, units_phrase
+from mlacheck.localise import (
+    Diagnosis,
+    diagnose,
+    diagnose_systematic,
+    localise,
+    rms,
+    shared_properties,
+    units_phrase,
+)
+from mlacheck.ops import Op
 from mlacheck.probes import Probes, Rerun
 from mlacheck.spec import PIPELINE_OPS, Case
 from mlacheck.verdict import CRASH, ERROR, FAIL, PASS, SKIP, Check, Verdict, Where, ranges
@@ -373,6 +383,13 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
     t_bound = tol.TENSOR_FACTOR * t_base + floor
     checks.append(Check("tensor_rel_l2", t_err <= t_bound, t_err, t_bound))
 
+    # The rows together, without the row floor: errors small on every row but systematic.
+    b_fin = finite.clone()  # finite: the kernel's and the golden's rows
+    for b in b_outs:
+        b_fin &= finite_rows(b)
+    systematic = _check_systematic(case, inputs, out, g_out, b_outs, err, b_fin, checks,
+                                   v.metrics)
+
     # LSE (natural log), where the case asks for it.
     wants_lse = case.return_lse
     failing = mismatch | bad  # every row some check fails: what diagnose() reads
@@ -415,10 +432,63 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
         v.metrics.update(pool_bytes=pool.nbytes, live_top_byte=top,
                          live_region=byte_region(0, top, case.placement.offset_bits))
     if any(not c.passed for c in checks):
-        found_axis = diagnose(case, inputs, failing, err, out.cpu(), bound)
+        found_axis = diagnose(case, inputs, failing, err, out.cpu(), bound,
+                              explain_kv=bool((mismatch | bad).any())) or systematic
         if found_axis is not None:
             v.diagnosis, v.metrics["axis"] = found_axis.text, found_axis.axis
     return failing
+
+
+def _check_systematic(case: Case, inputs: Inputs, out: torch.Tensor, g_out: torch.Tensor,
+                      b_outs: list[torch.Tensor], err: torch.Tensor, rows: torch.Tensor,
+                      checks: list[Check], metrics: dict[str, Any]) -> Diagnosis | None:
+    """The rows judged together against the baseline's, without the row floor (errors small
+    on every row but systematic): the RMS of the row errors, and FlashAttention's rule on the
+    largest element error; where P has 16 bits or more (tol.SYSTEMATIC_P_FORMATS). `rows`:
+    where the kernel, the golden and every baseline are finite. The baseline's statistic is
+    the worst of the family's (as for the row bound: a correct kernel of any family passes).
+    Returns the failure's axis (which requests carry the excess) when either check fails."""
+    n = int(rows.sum())
+    if n == 0 or tol.compute_format(case.quant.q, case.quant.kv) not in tol.SYSTEMATIC_P_FORMATS:
+        return None
+    out_fmt = tol.output_format(case.quant.q)
+    b_errs = [by_rows(row_errors, b, g_out) for b in b_outs]
+    rms_k, rms_b = rms(err[rows]), max(rms(e[rows]) for e in b_errs)
+    rms_floor = tol.RMS_FLOOR_ROUNDOFFS * tol.OUTPUT_ROUNDOFF[out_fmt]
+    rms_bound = max(tol.RMS_FACTOR * rms_b, rms_floor)
+    rms_ok = rms_k <= rms_bound
+    checks.append(Check("rms_error", rms_ok, rms_k, rms_bound,
+                        f"RMS of {n} rows' errors = {_ratio(rms_k, rms_b)} the baseline's "
+                        f"{rms_b:.3g}; bound = max({tol.RMS_FACTOR:g} x baseline, floor "
+                        f"{rms_floor:.3g}) (FlashAttention's 2x on the rows' RMS, no row floor)"))
+
+    # per-row largest element errors [T, H] (row slices, where the tensors are)
+    d_k = by_rows(row_max_abs, out, g_out).masked_fill(~rows, 0.0)
+    a_k = float(d_k.max())
+    a_b = max(float(by_rows(row_max_abs, b, g_out).masked_fill(~rows, 0.0).max()) for b in b_outs)
+    g_max = float(by_rows(lambda g: g.double().abs().amax(-1), g_out).masked_fill(~rows, 0.0).max())
+    kind = "prefill" if Op(case.op).unit == "segment" else "decode"  # decode: from a KV cache
+    factor = tol.MAX_ABS_FACTOR[kind]
+    abs_floor = tol.MAX_ABS_FLOOR_ULPS * tol.OUTPUT_ULP[out_fmt] * g_max
+    abs_bound = max(factor * a_b, abs_floor)
+    t, h = divmod(int(torch.argmax(d_k)), d_k.shape[1])  # (torch.unravel_index: ~3 s to import)
+    abs_ok = a_k <= abs_bound
+    checks.append(Check("max_abs_error", abs_ok, a_k, abs_bound,
+                        f"largest |out - golden| (token {t}, head {h}) = {_ratio(a_k, a_b)} the "
+                        f"baseline's largest {a_b:.3g}; bound = max({factor:g} x baseline, "
+                        f"{tol.MAX_ABS_FLOOR_ULPS:g} output ulp at max |golden| {abs_floor:.3g}) "
+                        f"(FlashAttention's {kind} rule)"))
+    metrics.update(rms_error=rms_k, baseline_rms_error=rms_b, max_abs_error=a_k,
+                   baseline_max_abs_error=a_b)
+    if rms_ok and abs_ok:
+        return None
+    b_err = torch.stack(b_errs).amax(0).masked_fill(~rows, 0.0)  # the family's worst, per row
+    return diagnose_systematic(case, inputs, rows, err, b_err, rms_floor,
+                               None if abs_ok else (t, h, a_k / a_b if a_b else math.inf))
+
+
+def _ratio(value: float, base: float) -> str:
+    return f"{value:.3g} ({value / base:.2f}x)" if base > 0 else f"{value:.3g} (baseline exact)"
 
 
 def _check_ideal(case: Case, inputs: Inputs, out: torch.Tensor, b_outs: list[torch.Tensor],
@@ -528,9 +598,16 @@ def _passes(got: Output, gold_out: torch.Tensor, bound: float) -> bool:
             if out.numel() else True)
 
 
+# Checks a probe does not re-judge (it compares output rows with the row bound): a failure of
+# these alone is not cleared by a probe that passes (the LSE, the rows judged together).
+NOT_PROBED = frozenset({"lse", "rms_error", "max_abs_error"})
+
+
 def refine_diagnosis(v: Verdict, inputs: Inputs, gold: Result, probes: Probes) -> None:
     """What the probes show: a batch that fails where each unit passes alone, or pages that
     fail where the same tokens on low pages pass."""
+    if {c.name for c in v.failed_checks} <= NOT_PROBED:
+        return
     bound = float(v.metrics.get("bound", 0.0))
     g = gold.out.detach()  # compared where it is (_passes)
     case = inputs.case

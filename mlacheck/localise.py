@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from mlacheck import boundaries
+from mlacheck import tolerances as tol
 from mlacheck.golden.core import Operand, attend, per_tensor
 from mlacheck.inputs import DecodeInputs, Inputs
 from mlacheck.kvcache import byte_region
@@ -81,8 +82,10 @@ def units_phrase(case: Case, units: list[int]) -> str:
 
 
 def diagnose(case: Case, inputs: Inputs, bad: torch.Tensor, err: torch.Tensor,
-             out: torch.Tensor, bound: float) -> Diagnosis | None:
-    """The axis along which the bad rows [T, H] lie (see the module docstring)."""
+             out: torch.Tensor, bound: float, explain_kv: bool = True) -> Diagnosis | None:
+    """The axis along which the bad rows [T, H] lie (see the module docstring).
+    `explain_kv`: try KV positions (only meaningful where output rows failed their bound:
+    rows that fail the LSE alone are explained by the golden itself)."""
     if not bool(bad.any()):
         return None
     unit = case.unit_name
@@ -96,7 +99,8 @@ def diagnose(case: Case, inputs: Inputs, bad: torch.Tensor, err: torch.Tensor,
     whole = [u for u in bad_units if bool(rows_of[u].all())]
     bad_heads = sorted(set(torch.nonzero(bad.any(0)).flatten().tolist()))
 
-    kv_first = _kv_attribution(case, inputs, bad_units, good_units, out, bound)
+    kv_first = (_kv_attribution(case, inputs, bad_units, good_units, out, bound)
+                if explain_kv else "")
     if kv_first:  # a proven explanation beats any row pattern
         return Diagnosis("kv", f"KV positions: {kv_first}")
     if len(bad_heads) < h and all(
@@ -127,6 +131,66 @@ def diagnose(case: Case, inputs: Inputs, bad: torch.Tensor, err: torch.Tensor,
                          for u in partial[:6])
         return Diagnosis("tokens", f"tokens (all heads): {toks}")
     return Diagnosis("rows", f"rows of {units_phrase(case, bad_units)}, heads {ranges(bad_heads)}")
+
+
+# What a systematic failure (rows judged together) suggests, on the first line of its card.
+SYSTEMATIC_CAUSE = ("no row beyond its own bound: precision lost in part of the accumulation, "
+                    "a scale off by a fraction of a percent, a key masked")
+
+
+def diagnose_systematic(case: Case, inputs: Inputs, rows: torch.Tensor, err: torch.Tensor,
+                        b_err: torch.Tensor, floor: float,
+                        largest: tuple[int, int, float] | None) -> Diagnosis:
+    """The axis of a failure of the rows judged together (the judge's rms_error and
+    max_abs_error): the requests / segments whose own rows' RMS error is beyond
+    tol.RMS_FACTOR x the baseline's on the same rows (floored like the check), or, when only
+    the largest element fails, its row. `rows`: finite rows; `largest`: (token, head, ratio
+    to the baseline's largest) when max_abs_error failed."""
+    unit = case.unit_name
+    cuts = inputs.row_bounds
+    kv = case.kv_lengths
+    ratio: dict[int, float] = {}
+    raised = []
+    for u in range(len(cuts) - 1):
+        sel = rows[cuts[u] : cuts[u + 1]]
+        if not bool(sel.any()):
+            continue
+        k = rms(err[cuts[u] : cuts[u + 1]][sel])
+        b = rms(b_err[cuts[u] : cuts[u + 1]][sel])
+        ratio[u] = k / b if b else float("inf")
+        if k > max(tol.RMS_FACTOR * b, floor):
+            raised.append(u)
+    live = sorted(ratio)
+    if largest is not None and not raised:
+        t, h, r = largest
+        u = max(i for i in range(len(cuts) - 1) if cuts[i] <= t)
+        return Diagnosis("rows", f"rows of {unit} {u} (kv {kv[u]}): the largest element error "
+                                 f"(token {t}, head {h}) is {r:.2f}x the baseline's largest; "
+                                 "no row beyond its own bound")
+    if len(live) == 1:
+        u = live[0]
+        return Diagnosis(f"{unit}s", f"{unit} {u} (kv {kv[u]}; the case's only {unit}): its "
+                                     f"rows' errors are {ratio[u]:.2f}x the baseline's (RMS); "
+                                     f"{SYSTEMATIC_CAUSE}")
+    if not raised or raised == live:
+        lo, hi = min(ratio.values()), max(ratio.values())
+        return Diagnosis("all", f"every {unit}, every head: the rows' errors are {lo:.2f}-"
+                                f"{hi:.2f}x the baseline's (RMS), a global cause; "
+                                f"{SYSTEMATIC_CAUSE}")
+    others = [u for u in live if u not in raised]
+    shared = _shared(case, inputs, raised, others)
+    return Diagnosis(f"{unit}s", f"{units_phrase(case, raised)} of {len(live)} (kv "
+                                 f"{ranges(sorted({kv[u] for u in raised}), 6)}): their rows' "
+                                 f"errors are {min(ratio[u] for u in raised):.2f}-"
+                                 f"{max(ratio[u] for u in raised):.2f}x the baseline's (RMS), "
+                                 f"the others' at most {max(ratio[u] for u in others):.2f}x"
+                                 + (f"; they share {shared}" if shared else "")
+                                 + f"; {SYSTEMATIC_CAUSE}")
+
+
+def rms(x: torch.Tensor) -> float:
+    """Root mean square (0 for an empty tensor)."""
+    return float(x.double().pow(2).mean().sqrt()) if x.numel() else 0.0
 
 
 def _tokens_pattern(rows: torch.Tensor) -> bool:

@@ -17,9 +17,49 @@ ROW_FACTOR = 2.0
 TENSOR_FACTOR = 2.0  # the same rule for the tensor-wide relative L2
 LSE_FACTOR = 2.0  # and for the absolute LSE error (natural log)
 
+# Systematic errors: small on every row, so each row stays under the row bound (its floor of
+# FLOOR_ROUNDOFFS output roundoffs is larger than most rows' own error), but together beyond
+# what another accumulation order gives: precision lost in part of the accumulation, a scale
+# off by a fraction of a percent (softmax scale, log2(e), the RoPE or nope part of q or k),
+# keys masked at a tile edge of a long kv. The rows are judged together, without the per-row
+# floor, against the baseline's rows (docs/detection.md "Anchor rules"):
+#
+# RMS over rows of the row errors <= RMS_FACTOR x the baseline's: FlashAttention's factor 2
+# applied to the row errors' RMS (a shift of the whole error distribution). A kernel with
+# another accumulation order, or another way to round a 16-bit P (normalised first, a
+# lazily rescaled max), has errors of about the same distribution: torch-split /
+# torch-reverse / P-rounding variants reach 1.25x (docs/detection.md "Zero false alarms").
+RMS_FACTOR = 2.0
+# ... with a floor of this many output roundoffs (OUTPUT_ROUNDOFF): where the baseline's error
+# is nearly nil (kv 1, one visible key) a correct kernel still rounds its output, which costs
+# ~0.8 roundoff of RMS row error (round to nearest, uniform within a binade).
+RMS_FLOOR_ROUNDOFFS = 1.0
+# Max |out - golden| over all elements <= factor x the baseline's: FlashAttention's own rule,
+# verbatim: tests/test_flash_attn.py asserts 2x for the forward pass
+# (`(out - out_ref).abs().max() <= 2 * (out_pt - out_ref).abs().max()`) and 3x for decode
+# against a KV cache (test_flash_attn_kvcache: `mult = 3`, `+ 1e-5`), out_ref an fp32
+# reference and out_pt a same-precision PyTorch one (here: the golden and the baseline).
+# Correct variants: torch-split / torch-reverse reach 1.03x; kernels that round a 16-bit P
+# otherwise (normalised first, a lazily rescaled max: issue 34) 1.7x on prefill (docs).
+MAX_ABS_FACTOR = {"prefill": 2.0, "decode": 3.0}
+# ... with a floor of half an output ulp at the largest |golden| element (OUTPUT_ULP):
+# FlashAttention's `+ 1e-5`, scaled to the output format. Where the baseline is exact (kv 1:
+# the golden is representable) a correct kernel rounds to the same value; half an ulp is
+# what a correctly rounded output may differ from an unrepresentable golden.
+MAX_ABS_FLOOR_ULPS = 0.5
+# The rows are judged together where P (the compute format) has 16 bits or more. With FP8 P
+# correct kernels differ from the baseline by more than these factors: how P is scaled
+# before its e4m3 rounding (P / l, a stale max up to 2^7) moves its weights into or out of
+# e4m3's subnormal range, and torch-normalised / torch-lazy reach 2.6x RMS and 3.9x
+# largest-element error on FP8 prefill (docs/detection.md). FP8 P stays with the row bound.
+SYSTEMATIC_P_FORMATS = ("fp32", "bf16", "fp16")
+
 # Unit roundoff of the OUTPUT format (2^-(mantissa bits + 1)): writing the result costs at
 # most this relative error per element even for a perfect kernel; the floor covers it.
 OUTPUT_ROUNDOFF = {"bf16": 2.0**-9, "fp16": 2.0**-12, "fp32": 2.0**-24}
+# Spacing of the OUTPUT format's values relative to the leading power of two (2^-stored
+# mantissa bits): ulp(x) <= OUTPUT_ULP x |x|.
+OUTPUT_ULP = {"bf16": 2.0**-7, "fp16": 2.0**-10, "fp32": 2.0**-23}
 # The floor is this many output roundoffs: a row's rounding error can reach ~1 roundoff in
 # relative L2 for short rows, so 2 keeps a perfect kernel with a different rounding mode safe.
 FLOOR_ROUNDOFFS = 2.0

@@ -43,6 +43,18 @@ class Numerics:
     # this many powers of two (FlashAttention-4 uses 8 with 16-bit P): P = exp(s - stale max)
     # reaches 2^lazy_rescale, and rescales of the accumulator are rare. 0: eager (default).
     lazy_rescale: float = 0.0
+    # Precision lost in PART of the accumulation (fp32 everywhere in a correct kernel; the
+    # faults of mlacheck/backends/faults/precision.py set one): the P.V product of every
+    # `tile_every`-th kv tile (the last of each group) kept in `pv_tile_format` before it
+    # joins the fp32 accumulator; the scores of those tiles in `score_tile_format`; the RoPE
+    # part of every score (q_pe . k_pe, the last `rope_dims` of q and k) in
+    # `rope_score_format`; the split partials' LSEs in `partial_lse_format` before the merge.
+    pv_tile_format: str | None = None
+    score_tile_format: str | None = None
+    tile_every: int = 2
+    rope_score_format: str | None = None
+    rope_dims: int = 64
+    partial_lse_format: str | None = None
 
 
 DEFAULT_NUMERICS = Numerics()  # what a correct kernel does: fp32 accumulation, 64-key tiles
@@ -82,7 +94,10 @@ def flash_attend(
             lses.append(lse)
     if len(outs) == 1:
         return outs[0], lses[0]
-    return merge_partials(torch.stack(outs), torch.stack(lses))
+    stacked = torch.stack(lses)
+    if numerics.partial_lse_format:
+        stacked = fp8.round_trip(stacked, numerics.partial_lse_format)
+    return merge_partials(torch.stack(outs), stacked)
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +134,8 @@ def _online(
     sq, h, _ = q.shape
     n = hi - lo
     tiles = max(1, -(-n // nm.kv_block))
-    rows = max(1, _BLOCK_ELEMENTS // max(1, h * tiles * nm.kv_block))
+    width = max(nm.kv_block, v.shape[-1]) if nm.pv_tile_format else nm.kv_block
+    rows = max(1, _BLOCK_ELEMENTS // max(1, h * tiles * width))
     outs, lses = [], []
     for r0 in range(0, max(sq, 1), rows):  # an empty query block still gets its shapes
         r1 = min(sq, r0 + rows)
@@ -149,10 +165,15 @@ def _online_tiles(
     blk = nm.kv_block
     tiles = max(1, -(-n // blk))
     pad = tiles * blk - n
-    s = _scores(q.permute(1, 0, 2), k, lo, hi, scale, soft_cap, causal, kv_valid, q_positions)
+    s = _scores(q.permute(1, 0, 2), k, lo, hi, scale, soft_cap, causal, kv_valid, q_positions,
+                nm)
     if pad:
         s = torch.nn.functional.pad(s, (0, pad), value=float("-inf"))
     st = s.view(h, sq, tiles, blk)
+    narrow = _narrow_tiles(tiles, nm, s.device)
+    if nm.score_tile_format and narrow.any():
+        st = st.clone()
+        st[:, :, narrow] = fp8.round_trip(st[:, :, narrow], nm.score_tile_format)
     tile_max = st.amax(-1)  # [H, Sq, T]
     if nm.reverse:  # tiles visited last to first: the running max accumulates from the end
         run_max = tile_max.flip(-1).cummax(-1).values.flip(-1)
@@ -175,11 +196,20 @@ def _online_tiles(
         o, lse = _normalised(torch.matmul(p_r, vv), torch.ones_like(l), last_max)
         return o, lse + torch.log(l).squeeze(-1).permute(1, 0)
     p_r = fp8.round_trip(p, p_format) if p_format != "fp32" else p
-    p_r = (p_r * w.unsqueeze(-1)).view(h, sq, tiles * blk)
     vv = v[lo:hi].permute(1, 0, 2)  # [Hk, n, Dv]
     if pad:
         vv = torch.nn.functional.pad(vv, (0, 0, 0, pad))
+    if nm.pv_tile_format:  # each tile's product on its own, some kept narrow
+        prod = torch.matmul(p_r.permute(0, 2, 1, 3), vv.reshape(vv.shape[0], tiles, blk, -1))
+        prod[:, narrow] = fp8.round_trip(prod[:, narrow], nm.pv_tile_format)  # [H, T, Sq, Dv]
+        return _normalised((prod * w.permute(0, 2, 1).unsqueeze(-1)).sum(1), l, last_max)
+    p_r = (p_r * w.unsqueeze(-1)).view(h, sq, tiles * blk)
     return _normalised(torch.matmul(p_r, vv), l, last_max)
+
+
+def _narrow_tiles(tiles: int, nm: Numerics, device: torch.device) -> torch.Tensor:
+    """Which kv tiles a partial-precision fault narrows: the last of every nm.tile_every."""
+    return torch.arange(tiles, device=device) % nm.tile_every == nm.tile_every - 1
 
 
 def _online_sequential(
@@ -199,7 +229,7 @@ def _online_sequential(
     for b0 in starts:
         b1 = min(hi, b0 + nm.kv_block)
         vb = v[b0:b1].permute(1, 0, 2)  # [Hk, n, Dv]
-        s = _scores(qh, k, b0, b1, scale, soft_cap, causal, kv_valid, q_positions)
+        s = _scores(qh, k, b0, b1, scale, soft_cap, causal, kv_valid, q_positions, nm)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         if nm.lazy_rescale:  # keep the stale max unless the new one passes it by the threshold
             m_new = torch.where(m_new > m + nm.lazy_rescale * _LN2, m_new, m)
@@ -217,9 +247,15 @@ def _online_sequential(
 
 def _scores(qh: torch.Tensor, k: torch.Tensor, b0: int, b1: int, scale: float,
             soft_cap: float, causal: bool, kv_valid: torch.Tensor | None,
-            q_positions: torch.Tensor) -> torch.Tensor:
+            q_positions: torch.Tensor, nm: Numerics = DEFAULT_NUMERICS) -> torch.Tensor:
     """Scaled (soft-capped) scores of keys b0..b1 [H, Sq, n], -inf where a row cannot see."""
-    s = torch.matmul(qh, k[b0:b1].permute(1, 2, 0)) * scale
+    kt = k[b0:b1].permute(1, 2, 0)  # [Hk, D, n]
+    if nm.rope_score_format:  # the RoPE part's product kept narrow, the rest fp32
+        r = nm.rope_dims
+        rope = fp8.round_trip(torch.matmul(qh[..., -r:], kt[:, -r:]), nm.rope_score_format)
+        s = (torch.matmul(qh[..., :-r], kt[:, :-r]) + rope) * scale
+    else:
+        s = torch.matmul(qh, kt) * scale
     if soft_cap > 0:
         s = soft_cap * torch.tanh(s / soft_cap)
     vis = torch.ones((qh.shape[1], b1 - b0), dtype=torch.bool, device=qh.device)

@@ -50,6 +50,17 @@ class TorchBackend:
         """The scale this implementation applies (always the case's; fault doubles override)."""
         return case.softmax_scale
 
+    def score_operands(self, case: Case, q: torch.Tensor, k: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [Sq, H, D] and k [Sk, Hk, D] as the score product reads them (V is read apart,
+        unchanged): the stored values here; fault doubles override (a scale on a part)."""
+        return q, k
+
+    def visible_keys(self, case: Case, kv_len: int) -> torch.Tensor | None:
+        """Keys a decode request attends to besides the causal mask [kv_len] (None: all);
+        fault doubles override (a key masked at a tile edge)."""
+        return None
+
     def capabilities(self) -> dict[str, Capability]:
         # every layout: pools are read through KVPool.gather, which reads any layout back
         every = layouts.NAMES
@@ -115,8 +126,8 @@ class TorchBackend:
         qc = inputs.cu_seqlens_q.tolist()
         pf = p_format_for(case.quant.kv, self.numerics)
         res = [
-            flash_attend(q[qc[i] : qc[i + 1]], ks[i], vs[i], self.softmax_scale(case), case.causal, pf,
-                         self.numerics, case.soft_cap)
+            flash_attend(*self.score_operands(case, q[qc[i] : qc[i + 1]], ks[i]), vs[i],
+                         self.softmax_scale(case), case.causal, pf, self.numerics, case.soft_cap)
             for i in range(len(case.segments))
         ]
         return torch.cat([r[0] for r in res]), torch.cat([r[1] for r in res])
@@ -133,9 +144,12 @@ class TorchBackend:
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Request r's queries over its latents, read through the page table (causal
         bottom-right: MTP tokens see the keys up to their own)."""
+        case = inputs.case
         kv = inputs.pool.gather(r)
-        return flash_attend(q, kv, kv[..., :inputs.case.dims.kv_lora_rank],
-                            self.softmax_scale(inputs.case), True, p_format, self.numerics)
+        qr, k = self.score_operands(case, q, kv)
+        return flash_attend(qr, k, kv[..., :case.dims.kv_lora_rank], self.softmax_scale(case),
+                            True, p_format, self.numerics,
+                            kv_valid=self.visible_keys(case, kv.shape[0]))
 
     def _sparse(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         case = inputs.case
@@ -152,8 +166,9 @@ class TorchBackend:
                 row = idx[t]
                 valid = row >= 0
                 sel = kv[row.clamp(min=0)]
-                o, lse = flash_attend(q[t : t + 1], sel, sel[..., :rank], self.softmax_scale(case),
-                                      False, pf, self.numerics, kv_valid=valid)
+                qt, k = self.score_operands(case, q[t : t + 1], sel)
+                o, lse = flash_attend(qt, k, sel[..., :rank], self.softmax_scale(case), False, pf,
+                                      self.numerics, kv_valid=valid)
                 outs.append(o)
                 lses.append(lse)
                 t += 1

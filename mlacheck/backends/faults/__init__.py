@@ -20,6 +20,9 @@ fault's module is imported when the fault is built. One module per family:
                    per-token scales, narrow accumulation)
     pipeline.py    the DeepSeek-V3.2 sparse path: classes 13 (indexer logits), 14 (top-k),
                    15 (index conversion, -1 as a slot), 2 and 9 across the path, generic
+    precision.py   small systematic errors: partial low-precision accumulation, a scale error
+                   on the RoPE / nope part of q or k, a wrong log2(e), a rounded softmax
+                   scale, a key masked at a tile edge past 8192
 
 Each FaultSpec names the selftest-matrix groups (mlacheck/matrices/selftest.yaml) meant to
 expose it, the checks expected to fire there ("crash" for a refused call), the Hypothesis
@@ -81,6 +84,7 @@ SPARSE = (Op.SPARSE_DECODE,)
 PREFILL = (Op.PREFILL,)
 INDEXER = (Op.MQA_LOGITS, Op.PAGED_MQA_LOGITS)
 PAGED_INDEXER = (Op.PAGED_MQA_LOGITS,)
+ALL_OPS = (Op.PREFILL, Op.PAGED_PREFILL, Op.DECODE, Op.SPARSE_DECODE)
 
 _SPECS = (
     FaultSpec("decode-num-actual-tokens", 1,
@@ -365,9 +369,43 @@ _SPECS = (
     FaultSpec("narrow-accumulation", "kv-narrow-accumulation",
               "the running output (P.V accumulator) kept in bf16 between 64-key kv tiles",
               f"{_M}.boundary:narrow_accumulation", "torch",
-              (Op.PREFILL, Op.PAGED_PREFILL, Op.DECODE, Op.SPARSE_DECODE),
-              ("decode-long-kv",), ("row_error",), "decode_long_kv",
+              ALL_OPS, ("decode-long-kv",), ("row_error",), "decode_long_kv",
               contrast="passes on short kv"),
+    # Small systematic errors (precision.py): every row a little wrong, judged together.
+    *(FaultSpec(name, "generic", mech, f"{_M}.precision:{name.replace('-', '_').replace('.', '')}",
+                "torch", ALL_OPS, ("decode-precision", "prefill-precision"),
+                ("rms_error", "max_abs_error", "row_error", "lse"), "decode_fp16",
+                contrast="passes on fp8 KV (the e4m3 P rounding hides it)")
+      for name, mech in (
+          ("pv-bf16-tiles", "the P.V product of every other 64-key tile kept in bf16 before it "
+                            "joins the fp32 accumulator"),
+          ("qk-bf16-tiles", "the scores (Q.K) of every other 64-key tile rounded to bf16"),
+          ("qk-rope-bf16", "the RoPE part of every score (q_pe . k_pe, its own MMA) in bf16"),
+          ("narrow-accumulation-fp16", "the running output (P.V accumulator) kept in fp16 "
+                                       "between 64-key tiles"),
+          ("split-lse-bf16", "split-KV partial LSEs stored in bf16 before the merge"),
+          ("q-rope-scale", "the RoPE part of q x 1.03 in the score product"),
+          ("k-rope-scale", "the RoPE part of k x 0.97 in the score product"),
+          ("q-nope-scale", "the nope (latent) part of q x 1.02 in the score product"),
+          ("k-nope-scale", "the nope (latent) part of k x 0.98 in the score product (V unchanged)"),
+          ("log2e-bf16", "exp2 with log2(e) rounded to bf16 (1.4453125, +0.18%)"),
+          ("log2e-truncated", "exp2 with log2(e) = 1.44 (-0.19%)"),
+          ("log2e-1.45", "exp2 with log2(e) = 1.45 (+0.51%)"),
+          ("sm-scale-bf16", "the softmax scale passed as bf16 (-0.35%)"),
+          ("sm-scale-log2e-bf16", "the fused exp2 constant scale x log2(e) passed as bf16 "
+                                  "(+0.11%)"),
+          ("sm-scale-base-bf16", "1/sqrt(192) rounded to bf16 before the YaRN mscale^2 "
+                                 "(+0.13%)"),
+      )),
+    *(FaultSpec(name, "kv-longer-than-8192", mech,
+                f"{_M}.precision:{name.replace('-', '_')}", "torch", DECODE,
+                ("decode-8k-edge",), ("row_error", "rms_error", "max_abs_error", "lse"),
+                "decode_8k_edge", contrast="passes up to 8192 tokens")
+      for name, mech in (
+          ("mask-edge-8192", "key 8192 masked: the tile starting at 8192 tests > instead of >="),
+          ("mask-edge-every-8192", "the first key of every 8192-key chunk past the first masked"),
+          ("mask-edge-tiles-8192", "the first key of every 64-key tile at or past 8192 masked"),
+      )),
     FaultSpec("nondeterministic", "generic",
               "KV split count varies from run to run: accurate, but not bitwise reproducible",
               f"{_M}.generic:nondeterministic", "torch",
@@ -381,8 +419,12 @@ FAULTS: dict[str, FaultSpec] = {s.name: s for s in _SPECS}
 # The axis each fault acts along: what the first line of its failure card must name
 # (mlacheck.localise.diagnose; tests/unit/faults/test_localisation.py). "crash": the fault
 # is a refused call, whose card is the exception. "semantics": the kernel computed another
-# convention, which the card names (mlacheck.counterfactual).
-AXES: dict[str, str] = {
+# convention, which the card names (mlacheck.counterfactual). A tuple: any of these axes. A
+# global cause of small errors (GLOBAL) is named by any of its faces: every request (all),
+# rows spread over the requests beyond their bound (rows), or the LSE alone with the outputs
+# right (lse); a masked key at a long kv by its request, or the rows of it over their bound.
+GLOBAL = ("all", "rows", "lse")
+AXES: dict[str, str | tuple[str, ...]] = {
     "decode-num-actual-tokens": "output", "sparse-ragged-rowmajor": "rows",
     "sparse-dense-metadata": "schedule", "multiseg-as-one": "segments",
     "multiseg-first-only": "segments", "pad-heads-floor-div": "crash",
@@ -406,6 +448,13 @@ AXES: dict[str, str] = {
     "conversion-contiguous-base": "slots", "conversion-ragged-indptr": "slots",
     "sparse-prefill-minus1-slot0": "rows", "sparse-prefill-max-logits-unscaled": "max_logits",
     "pipeline-ragged-rowmajor": "selection", "pipeline-local-as-global": "selection",
+    **{n: GLOBAL for n in (
+        "pv-bf16-tiles", "qk-bf16-tiles", "qk-rope-bf16", "narrow-accumulation-fp16",
+        "split-lse-bf16", "q-rope-scale", "k-rope-scale", "q-nope-scale", "k-nope-scale",
+        "log2e-bf16", "log2e-truncated", "log2e-1.45", "sm-scale-bf16", "sm-scale-log2e-bf16",
+        "sm-scale-base-bf16")},
+    **{n: ("requests", "rows") for n in (
+        "mask-edge-8192", "mask-edge-every-8192", "mask-edge-tiles-8192")},
 }
 
 # What the registry merges into its built-ins: `fault:<name>` -> "module:factory".
@@ -426,4 +475,4 @@ def make(name: str, inner: str | None = None) -> Any:
     return spec_of(name).build(inner)
 
 
-__all__ = ["AXES", "BUILTIN_NAMES", "FAULTS", "PREFIX", "FaultSpec", "make", "spec_of"]
+__all__ = ["AXES", "BUILTIN_NAMES", "FAULTS", "GLOBAL", "PREFIX", "FaultSpec", "make", "spec_of"]

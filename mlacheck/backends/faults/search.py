@@ -31,6 +31,14 @@ def decode_bf16() -> st.SearchStrategy[Case]:
     return decode_any()
 
 
+def decode_fp16() -> st.SearchStrategy[Case]:
+    """fp16 first (a small systematic error shows at its roundoff), then bf16; kv past one
+    64-key tile (the partial-precision faults narrow every other tile)."""
+    return S.decode_cases(max_batch=2, max_q_len=1, max_kv=MAX_KV, head_counts=(16,),
+                          quants=(Quant("fp16", "fp16"), *BF16), page_sizes=(16,),
+                          placements=SHUFFLED)
+
+
 def decode_paged() -> st.SearchStrategy[Case]:
     """Page size 1 first: the search has to move to a page size > 1 to fail."""
     return S.decode_cases(max_batch=3, max_q_len=1, max_kv=MAX_KV, head_counts=(16,),
@@ -137,6 +145,17 @@ def decode_long_kv() -> st.SearchStrategy[Case]:
     return _long_kv()
 
 
+@st.composite
+def _8k_edge(draw: st.DrawFn) -> Case:
+    """A request past the 8192 tile edge beside a short one (page size 64)."""
+    kv = draw(st.sampled_from((16385, 8193, 12289)))
+    return DecodeCase(requests=(Request(1, 300), Request(1, kv)), num_heads=16, page_size=64)
+
+
+def decode_8k_edge() -> st.SearchStrategy[Case]:
+    return _8k_edge()
+
+
 def decode_empty() -> st.SearchStrategy[Case]:
     """Ragged batches that may hold empty requests (q_len 0)."""
     return S.decode_cases(max_batch=3, max_q_len=2, max_kv=MAX_KV, head_counts=(16,),
@@ -204,7 +223,8 @@ def pipeline_any() -> st.SearchStrategy[Case]:
 
 # Strategies whose examples allocate multi-GiB pools (or long kv): the selftest gives them a
 # small budget.
-EXPENSIVE = frozenset({"decode_large_kv31", "decode_large_kv32", "decode_long_kv"})
+EXPENSIVE = frozenset({"decode_large_kv31", "decode_large_kv32", "decode_long_kv",
+                       "decode_8k_edge"})
 
 
 def strategy(name: str) -> st.SearchStrategy[Case]:

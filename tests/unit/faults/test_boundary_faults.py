@@ -61,7 +61,9 @@ SHAPES: dict[str, tuple[Case, Case]] = {
     "soft-cap-ignored": (pf((30, 20), soft_cap=30.0), pf((30, 20))),
     "per-token-scale-ignored": (pf((30, 20), quant=PER_TOKEN),
                                 pf((30, 20), quant=Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax"))),
-    "narrow-accumulation": (dec((1, 4096)), dec((1, 1024))),
+    # contrast: 128 keys, two tiles (the rows judged together catch a bf16 accumulator from
+    # ~512 keys on, the row bound alone from ~4096: docs/detection.md "Narrow accumulation")
+    "narrow-accumulation": (dec((1, 4096)), dec((1, 128))),
 }
 # The same faults on their class's other ops: sparse requests after an empty one resolve
 # their top-k positions through the predecessor's page-table row (poison past its pages);

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlacheck.backends.faults import AXES, FAULTS, make
+from mlacheck.backends.faults import AXES, FAULTS, GLOBAL, make
 from mlacheck.harness import RunOptions, run_case
 from mlacheck.matrices import load
 from mlacheck.selftest import scale_case
@@ -36,9 +36,15 @@ OFFSET_MODELS = [pytest.param(24, id="off24"),
                                          pytest.mark.memory_heavy], id="off32")]
 
 
+def axes_of(name: str) -> tuple[str, ...]:
+    """The axes a fault's card may name (one, or a global cause's faces)."""
+    a = AXES[name]
+    return a if isinstance(a, tuple) else (a,)
+
+
 def test_every_fault_has_a_known_axis() -> None:
     assert set(AXES) == set(FAULTS)
-    assert set(AXES.values()) - {"crash"} <= set(AXIS_WORDS)
+    assert {a for n in AXES for a in axes_of(n)} - {"crash"} <= set(AXIS_WORDS)
 
 
 # Every failing case of a fault's own selftest groups is checked, and of these smoke cases (a
@@ -59,6 +65,20 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
         "a head pattern",
     ("tile-multiple-drops-last-64", "dec-b3-mtp4-kv64-200"):
         "kv 64 loses its only tile: attention over no key has no golden, no prefix explains it",
+    # Small systematic errors (faults/precision.py): the rows over their bound fall where the
+    # data makes the error largest, a subset of heads
+    **{(name, case): "a global precision / scale error whose rows over the bound fall in some "
+                     "heads only (data-dependent): read as a head pattern"
+       for name, case in (
+           ("k-rope-scale", "dec-b1-kv70-h16-p64-bf16-shuffled-sentinel"),
+           ("q-rope-scale", "dec-b1-kv70-h16-p64-bf16-shuffled-sentinel"),
+           ("split-lse-bf16", "dec-b1-kv70-h16-p64-bf16-shuffled-sentinel"),
+           ("narrow-accumulation-fp16", "dec-b3-mtp2-kv300-2500-h16-p16-fp16"),
+           ("qk-bf16-tiles", "dec-b2-kv33-150-h8-p16-bf16"))},
+    **{(name, "dec-b3-mtp2-kv300-16385-h16-p64-bf16"):
+       "one masked key among 16385 moves only the heads whose query scores it high: read as a "
+       "head pattern (no prefix explains a key in the middle)"
+       for name in ("mask-edge-8192", "mask-edge-every-8192")},
 }
 
 
@@ -98,7 +118,11 @@ def test_first_line_of_the_card_names_the_faults_axis(name: str, bits: int) -> N
         failing += 1
         first = v.summary().splitlines()[0]
         gap = next((k for k in KNOWN_GAPS if k[0] == name and case.id.startswith(k[1])), None)
-        ok = v.metrics.get("axis") == AXES[name] and AXIS_WORDS[AXES[name]] in first
+        axis = v.metrics.get("axis")
+        ok = axis in axes_of(name) and AXIS_WORDS[axis] in first
+        if AXES[name] == GLOBAL and axis in ("requests", "segments"):
+            # one request / segment cannot tell a global cause from its own
+            ok = "the case's only" in first
         if name.startswith("page-id") and ok:
             ok = "page ids up to" in first and "past 2^16" in first
         if gap is not None:
@@ -107,7 +131,7 @@ def test_first_line_of_the_card_names_the_faults_axis(name: str, bits: int) -> N
         elif not ok:
             wrong.append(f"axis {v.metrics.get('axis')!r}: {first}")
     assert failing, f"{name}: no selftest case of {spec.groups} fails"
-    assert not wrong, f"{name} (expected axis {AXES[name]!r}):\n" + "\n".join(wrong)
+    assert not wrong, f"{name} (expected axis {axes_of(name)!r}):\n" + "\n".join(wrong)
     stale = {k for k in KNOWN_GAPS if k[0] == name} - gaps
     assert not stale, f"known gaps no case of {name} shows any more: {stale}"
 

@@ -234,7 +234,7 @@ def test_append_and_repeated_backends_count_each_item_once(tiny: Path, tmp_path:
         assert r.returncode == 0, r.stdout[-2000:]
     assert "x backends torch on" in r.stdout  # named three times, run once
     md = (tmp_path / "report.md").read_text()
-    assert "**2 cases: 2 PASS" in md and "written again" in md
+    assert "All 2 executed cases pass" in md and "2 cases: 2 PASS" in md and "written again" in md
 
 
 def test_interrupted_run_reads_incomplete_in_terminal_and_reports(tiny: Path, tmp_path: Path) -> None:
