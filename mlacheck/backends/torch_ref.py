@@ -13,6 +13,7 @@ LSE and merged, as persistent decode does) and `reverse` (blocks visited last to
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -69,6 +70,11 @@ class TorchBackend:
         decode = Capability(causal=(True,), per_token_scales=True, empty_requests=True,
                             layouts=every)
         indexer = Capability(per_token_scales=True, empty_requests=True)
+        if self.numerics.p_normalised:  # 16-bit P only: see P_NORMALISED_FORMATS
+            full, decode = (replace(c, q_formats=P_NORMALISED_FORMATS,
+                                    kv_formats=P_NORMALISED_FORMATS,
+                                    reasons={"q_formats": P_NORMALISED_FP8, "kv_formats": P_NORMALISED_FP8})
+                            for c in (full, decode))
         return {Op.PREFILL: full, Op.PAGED_PREFILL: full, Op.DECODE: decode,
                 Op.SPARSE_DECODE: decode,
                 # the DeepSeek-V3.2 sparse pipeline (mlacheck.backends.torch_pipeline)
@@ -204,6 +210,17 @@ def lazy_factory() -> TorchBackend:
     """A lazily rescaled online softmax (the running max moves only past a 2^7 jump; P may
     reach 2^7 before its FP8 rounding): another correct way to round P."""
     return TorchBackend(Numerics(lazy_rescale=LAZY_RESCALE_LOG2), "torch-lazy")
+
+
+# P normalised before an e4m3 rounding (P / l) puts a long row's weights into e4m3's subnormal
+# range or below it: with the `ties` inputs every weight of a 2048-key top-k row is 1/2048,
+# under e4m3fn's smallest subnormal 2^-9, and rounds to 0 (an output of 0: row error 0.75-0.95,
+# 3-3.8x the row bound, 94 of 1371 premerge case runs per seed on the H100 host's CPU,
+# 2026-11-26). Not a correct FP8 implementation, so this variant is a correct control for
+# 16-bit P only (a kernel that rounds P so is caught: bug class precision).
+P_NORMALISED_FORMATS = ("bf16", "fp16", "fp32")
+P_NORMALISED_FP8 = ("torch-normalised rounds P / l to the P format: with FP8 P a long row's "
+                    "weights fall below e4m3's subnormals (a 16-bit-P control only)")
 
 
 def normalised_factory() -> TorchBackend:

@@ -41,35 +41,37 @@ def test_correct_variants_never_fail(variant: str, seed: int) -> None:
     verdicts = [run_case(c, backend) for c in cases]
     bad = [v.summary() for v in verdicts if v.status not in (PASS, SKIP)]
     assert not bad, "\n".join(bad)
-    assert sum(v.status == PASS for v in verdicts) >= CI_CASES * 0.9
+    executed = [v for v in verdicts if v.status != SKIP]  # torch-normalised: 16-bit P only
+    assert len(executed) >= CI_CASES // 2
+    assert sum(v.status == PASS for v in executed) >= len(executed) * 0.9
 
 
-def test_the_fp8_bound_admits_every_p_rounding_family(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A correct kernel may round P after normalising it, or against a lazily rescaled max:
-    its row's largest weight is then rounded too (3 mantissa bits: up to 6 % of a peaked
-    row). The FP8 bound is derived from the worse of the two baseline families
-    (harness.baselines); from the eager baseline alone it rejects such a kernel here."""
-    from mlacheck import harness
+def test_the_fp8_bound_admits_every_p_rounding_family() -> None:
+    """A correct kernel may round P against a lazily rescaled max: its row's largest weight is
+    then rounded too (3 mantissa bits: up to 6 % of a peaked row). P normalised before an
+    e4m3 rounding is no correct FP8 implementation (a long row's weights fall below e4m3's
+    subnormals: on `ties` inputs its outputs were 0, 3-3.8x the row bound, on the H100 host):
+    torch-normalised is a control for 16-bit P only and says so."""
     from mlacheck.spec import Quant, Segment
-    from mlacheck.verdict import FAIL
+    from mlacheck.verdict import SKIP
 
     case = PrefillCase(segments=(Segment(96, 160),),
                        quant=Quant("fp8_e4m3fn", "fp8_e4m3fn", "amax"))
-    normalised, lazy = resolve("torch-normalised"), resolve("torch-lazy")
-    for backend in (normalised, lazy):
-        v = run_case(case, backend)
-        assert v.status == PASS, v.summary()
-    monkeypatch.setattr(harness, "baselines", lambda c: [harness.BASELINE])
-    v = run_case(case, normalised)
-    assert v.status == FAIL and v.metrics["worst_row"] > v.metrics["bound"]
+    v = run_case(case, resolve("torch-lazy"))
+    assert v.status == PASS, v.summary()
+    v = run_case(case, resolve("torch-normalised"))
+    assert v.status == SKIP and "subnormals" in v.reason, v.summary()
+    bf16 = PrefillCase(segments=(Segment(96, 160),), quant=Quant("bf16", "bf16"))
+    assert run_case(bf16, resolve("torch-normalised")).status == PASS
 
 
-@pytest.mark.parametrize("variant", ["torch-lazy", "torch-normalised"])
+@pytest.mark.parametrize("variant", ["torch-lazy"])
 def test_p_rounding_families_pass_the_fp8_cases(variant: str) -> None:
     """The cheapest FP8-KV premerge cases (every input distribution among them)."""
     backend = resolve(variant)
     cases = sorted((mc.case for mc in load("premerge").cases
-                    if mc.case.quant.kv.startswith("fp8")), key=cost)[:CI_CASES]
+                    if mc.case.op not in PIPELINE_OPS and mc.case.quant.kv.startswith("fp8")),
+                   key=cost)[:CI_CASES]
     assert {c.distribution for c in cases} >= {"gaussian", "layer"}
     bad = [v.summary() for v in (run_case(c, backend) for c in cases)
            if v.status not in (PASS, SKIP)]
