@@ -109,7 +109,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         results_file.check_resumable(results, "--append")
     elif results.exists():
         results.unlink()
-    workers = args.workers if args.workers is not None else _default_workers(device)
+    workers = _workers(args.workers, device)
     argv = [
         _suite_path(), "-q", "-rfE", "--no-header",
         "-o", "console_output_style=progress", "-p", "no:cacheprovider",
@@ -238,6 +238,20 @@ def _default_workers(device: str) -> int:
         by_memory = int(_available_gib() // GPU_WORKER_HOST_GIB)
         return gpus * max(1, min(per_gpu, by_memory // gpus))
     return max(1, min(cores or 1, int(_available_gib() // CPU_WORKER_PEAK_GIB)))
+
+
+def _workers(requested: int | None, device: str) -> int:
+    """The run's worker count: the default, or an explicit `-n` capped at the default (what the
+    cores and memory allow), with one warning line. Uncapped, `-n 1000` on 2 cores and 23 GB
+    started 1000 workers, ran the machine out of memory (the OOM killer took unrelated
+    processes too) and ended with exit 137 after 16 minutes."""
+    limit = _default_workers(device)
+    if requested is None or requested <= limit:
+        return limit if requested is None else requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(f"mlacheck: warning: -n {requested} capped to {limit}: what {cores or 1} core(s) and "
+          f"{_available_gib():.1f} GiB of available memory allow on {device}", file=sys.stderr)
+    return limit
 
 
 def _available_gib() -> float:
@@ -506,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offset added to every case's seed: another draw of the same matrix")
     r.add_argument("--workers", "-n", type=_positive, default=None,
                    help="pytest-xdist workers (default: on GPUs 2 cores per worker, at most 8 per GPU; on "
-                        "a CPU one per core; as host memory allows)")
+                        "a CPU one per core; as host memory allows); a larger -n is capped at that")
     r.add_argument("--timeout", type=_positive, default=900,
                    help="per-case timeout in seconds (default 900): a hang is a CRASH")
     r.add_argument("--junit", default=None, help="write JUnit XML here")

@@ -238,6 +238,25 @@ def test_default_workers_use_the_cores_the_memory_can_hold(monkeypatch) -> None:
     assert cli._default_workers("cuda") == 64
 
 
+def test_an_explicit_worker_count_is_capped_at_what_cores_and_memory_allow(monkeypatch, capsys) -> None:  # noqa: ANN001
+    """`-n 1000` on 2 cores and 23 GB started 1000 workers and ran the machine out of memory
+    (exit 137 after 16 minutes): an explicit -n above the default is capped, one warning line."""
+    from mlacheck import cli, preflight
+
+    monkeypatch.setattr(preflight, "gpu_count", lambda: 0)
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(cli, "_available_gib", lambda: 23.0)
+    assert cli._workers(1000, "cpu") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "warning: -n 1000 capped to 2" in err, err
+    assert cli._workers(2, "cpu") == 2 and cli._workers(1, "cpu") == 1  # within the limit: as asked
+    assert cli._workers(None, "cpu") == 2  # the default
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(cli, "_available_gib", lambda: 1.0)  # memory for one worker only
+    assert cli._workers(2, "cpu") == 1
+    assert "capped to 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("platform", "env", "expected"), [
     ("cuda", {}, 4),
     ("cuda", {"CUDA_VISIBLE_DEVICES": "0"}, 1),
