@@ -34,14 +34,18 @@ RMS_FACTOR = 2.0
 # is nearly nil (kv 1, one visible key) a correct kernel still rounds its output, which costs
 # ~0.8 roundoff of RMS row error (round to nearest, uniform within a binade).
 RMS_FLOOR_ROUNDOFFS = 1.0
-# Max |out - golden| over all elements <= factor x the baseline's: FlashAttention's own rule,
-# verbatim: tests/test_flash_attn.py asserts 2x for the forward pass
-# (`(out - out_ref).abs().max() <= 2 * (out_pt - out_ref).abs().max()`) and 3x for decode
-# against a KV cache (test_flash_attn_kvcache: `mult = 3`, `+ 1e-5`), out_ref an fp32
-# reference and out_pt a same-precision PyTorch one (here: the golden and the baseline).
-# Correct variants: torch-split / torch-reverse reach 1.03x; kernels that round a 16-bit P
-# otherwise (normalised first, a lazily rescaled max: issue 34) 1.7x on prefill (docs).
-MAX_ABS_FACTOR = {"prefill": 2.0, "decode": 3.0}
+# Max |out - golden| over all elements <= factor x the baseline's: FlashAttention's rule
+# (tests/test_flash_attn.py asserts `(out - out_ref).abs().max() <= 2 * (out_pt -
+# out_ref).abs().max()` for the forward pass, 3x + 1e-5 for decode against a KV cache), whose
+# out_pt is attention_ref(upcast=False): scores as a bf16 einsum rounds them, P cast to bf16,
+# P @ V in bf16. That reference's largest error is 3.0-7.9x the largest error of mlacheck's
+# baseline (fp32 scores, P rounded to the P format) on bf16 prefill (q 25-96, kv 160-3560,
+# measured on CPU 2026-11-26: FlashAttention's 2x is >= 6x mlacheck's baseline). At 2x / 3x of
+# mlacheck's baseline the rule failed correct kernels: FlashInfer 0.2.14 on the H100 reached
+# 2.77x (fa2 prefill, kv 1503) and 3.21x (fa2/fa3 decode, kv 700) over 2475 premerge runs
+# (benchmarks/anchor_checks.py, 5 seeds), torch-normalised 2.3x (bf16, `ties` inputs). 4x of
+# mlacheck's baseline stays stricter than FlashAttention's own rule and clears them.
+MAX_ABS_FACTOR = {"prefill": 4.0, "decode": 4.0}
 # ... with a floor of half an output ulp at the largest |golden| element (OUTPUT_ULP):
 # FlashAttention's `+ 1e-5`, scaled to the output format. Where the baseline is exact (kv 1:
 # the golden is representable) a correct kernel rounds to the same value; half an ulp is
