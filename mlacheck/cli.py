@@ -73,12 +73,18 @@ def _suite_path() -> str:
 def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     from mlacheck import results as results_file
     from mlacheck.matrices import load
-    from mlacheck.preflight import check_expression, check_output_file, resolve_device
+    from mlacheck.preflight import (
+        check_expression,
+        check_markers,
+        check_output_file,
+        resolve_device,
+    )
 
     request = _request(args)  # every backend resolved before pytest starts: exit 2
     backends, policy = request.backends, request.policy
     check_expression("-k", args.k)  # under xdist a bad one was an INTERNALERROR
     check_expression("-m", args.m)
+    check_markers(args.m)  # an unknown one selected nothing: exit 5 with no word why
     device = resolve_device(request.device)
     matrix = load(request.matrix, request.seed)
     shard = None
@@ -100,6 +106,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     leave_out = None
     if args.resume:
         results_file.check_resumable(results)
+        results_file.check_same_run(results, request.backends, matrix.name)
         results_file.repair_torn_tail(results)  # a record cut by the kill: its item runs again
         done = results_file.recorded_items(results)
         leave_out = results.with_name(f".{results.name}.done")
@@ -512,10 +519,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--results", default=DEFAULT_RESULTS,
                    help=f"results file, one JSON line per item (default {DEFAULT_RESULTS}); "
                         "the reports go next to it")
-    r.add_argument("--append", action="store_true", help="append to an existing results file")
-    r.add_argument("--resume", action="store_true",
+    keep = r.add_mutually_exclusive_group()  # --resume continues the file's run; --append adds one
+    keep.add_argument("--append", action="store_true", help="append to an existing results file")
+    keep.add_argument("--resume", action="store_true",
                    help="continue an interrupted run: keep the results file and run only the "
-                        "(case, backend) items it has no line for")
+                        "(case, backend) items it has no line for (same matrix and backends)")
     r.add_argument("--seed", type=_non_negative, default=None,
                    help="offset added to every case's seed: another draw of the same matrix")
     r.add_argument("--workers", "-n", type=_positive, default=None,

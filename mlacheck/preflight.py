@@ -133,6 +133,33 @@ def check_expression(flag: str, expr: str | None) -> None:
         raise PreflightError(f"{flag} {expr!r} is not a valid expression: {why}") from None
 
 
+# pytest's own markers and xdist's, which an item may carry besides the matrix's (MARKERS)
+_PYTEST_MARKERS = ("skip", "skipif", "xfail", "parametrize", "usefixtures", "filterwarnings",
+                   "xdist_group")
+# an -m identifier as pytest's scanner reads it (_pytest.mark.expression)
+_IDENT = re.compile(r"(?:\w|:|\+|-|\.|\[|\]|\\|/)+")
+
+
+def check_markers(expr: str | None) -> None:
+    """Every marker an -m expression names is one a case can carry: `-m nosuchmarker` selected
+    nothing and ended in exit 5 with no word that the marker does not exist."""
+    if not expr:
+        return
+    from mlacheck.markers import KNOWN_MARKERS
+
+    names = []
+    for m in _IDENT.finditer(expr):
+        before, after = expr[:m.start()].rstrip(), expr[m.end():].lstrip()
+        if before.endswith("=") or after.startswith("="):  # mark(key=value): no marker name
+            continue
+        if m.group() not in ("and", "or", "not", "True", "False", "None"):
+            names.append(m.group())
+    unknown = [n for n in dict.fromkeys(names) if n not in KNOWN_MARKERS + _PYTEST_MARKERS]
+    if unknown:
+        raise PreflightError(f"-m {expr!r}: unknown marker(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(KNOWN_MARKERS)}")
+
+
 def check_output_file(path: str | Path, what: str) -> Path:
     """The file can be created or appended to: its directory is made if missing."""
     p = Path(path)

@@ -171,6 +171,26 @@ class RawResults:
         return total if found else None
 
 
+def check_same_run(path: Path, backends: tuple[str, ...] | list[str], matrix: str) -> None:
+    """`--resume` continues the run the file's last header describes: another backend set or
+    matrix would mix two runs' verdicts into one file (and its gate)."""
+    if not path.exists():
+        return
+    headers = read_raw(path).headers
+    if not headers:
+        return
+    last = headers[-1]
+    theirs = [b for b in last.backends]
+    if theirs and set(theirs) != set(backends):
+        raise NotAResultsFile(
+            f"--resume: {path} holds a run of backends {', '.join(theirs)}, not "
+            f"{', '.join(backends)}; resume with the same backends or start a new results file")
+    if last.matrix and matrix and last.matrix != matrix:
+        raise NotAResultsFile(
+            f"--resume: {path} holds a run of matrix {last.matrix}, not {matrix}; resume with "
+            "the same matrix or start a new results file")
+
+
 def read_raw(path: str | Path) -> RawResults:
     """Headers and records of a results file; lines that are not JSON objects are counted."""
     out = RawResults()

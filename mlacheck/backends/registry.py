@@ -59,6 +59,11 @@ def resolve(spec: str) -> Backend:
             if ep.name == spec:
                 target = ep.value
                 break
+    if target is None and spec.startswith("fault:"):  # not an import path: a fault's name
+        from mlacheck.backends.faults import FAULTS
+
+        raise BackendError(f"unknown fault {spec!r}; known faults: {', '.join(FAULTS)} "
+                           "(mlacheck list --faults)")
     if target is None and ":" in spec:
         target = spec
     if target is None:

@@ -185,6 +185,10 @@ def test_backend_that_cannot_run_anything_and_empty_selection(tiny: Path, tmp_pa
     (["--results", "/proc/no/such/r.jsonl"], "results file /proc/no/such/r.jsonl"),
     (["--require-ops", "mla_nonsense"], "unknown op 'mla_nonsense'"),
     (["--timeout", "10", "--min-executed", "1.5"], "--min-executed must be a fraction"),
+    # issue 33: these were exit 5 with no word why, an import error, and accepted
+    (["-m", "not slow and nosuchmarker"], "unknown marker(s) nosuchmarker; known: fp8, sparse"),
+    (["-b", "fault:nosuch"], "unknown fault 'fault:nosuch'; known faults: "),
+    (["--resume", "--append"], "argument --append: not allowed with argument --resume"),
 ])
 def test_environment_problems_are_one_line_exit_2_before_any_case(
         args: list[str], needle: str, tiny: Path, tmp_path: Path) -> None:
@@ -224,6 +228,21 @@ def test_resume_refuses_a_file_mlacheck_did_not_write(tiny: Path, tmp_path: Path
     r = run("run", "-b", "torch", "--matrix", str(tiny), "--results", str(res), "--resume",
             "--no-report")
     assert r.returncode == 2 and "no mlacheck run header" in one_line_error(r)
+
+
+def test_resume_refuses_another_backend_set_or_matrix(tiny: Path, tmp_path: Path) -> None:
+    """`--resume` with another backend list mixed two runs' verdicts into one file (issue 33)."""
+    from mlacheck.results import HEADER_KEY
+
+    res = tmp_path / "r.jsonl"
+    for backends, matrix, needle in (
+            (["torch", "aiter-model-gfx942"], "tiny", "backends torch, aiter-model-gfx942, not torch"),
+            (["torch"], "smoke", "matrix smoke, not tiny")):
+        res.write_text(json.dumps({HEADER_KEY: 2, "run": {"expected": [], "backends": backends,
+                                                           "matrix": matrix}}) + "\n")
+        r = run("run", "-b", "torch", "--matrix", str(tiny), "--results", str(res), "--resume",
+                "--no-report")
+        assert r.returncode == outcome.EXIT_USAGE and needle in one_line_error(r), r.stderr
 
 
 def test_append_and_repeated_backends_count_each_item_once(tiny: Path, tmp_path: Path) -> None:
