@@ -20,8 +20,10 @@ from types import FrameType
 from mlacheck.errors import OneLineParser, UsageError
 from mlacheck.outcome import (
     EXIT_KERNEL_FAILURE,
+    EXIT_NOT_ENOUGH_RAN,
     EXIT_OK,
     EXIT_PYTEST_USAGE,
+    EXIT_SUITE_ERROR,
     EXIT_USAGE,
     exit_meaning,
 )
@@ -71,6 +73,33 @@ def _suite_path() -> str:
 
 
 def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
+    """The run, SIGTERM handled as Ctrl-C from its first line to its report: under `timeout
+    -s TERM` 3 of 8 runs exited 143, with no gate line, when the signal came before pytest
+    started or after it returned (the handler was installed around pytest.main only)."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    stage: dict[str, object] = {}
+    try:
+        return _run(args, extra, stage)
+    except KeyboardInterrupt:  # before pytest ran, or while the report was written
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one kills
+        decided = stage.get("code")  # the gate's, when the report was being written
+        # a failure on record wins, as in session.outcome; otherwise the run is incomplete
+        code = decided if decided in (EXIT_KERNEL_FAILURE, EXIT_SUITE_ERROR) else EXIT_NOT_ENOUGH_RAN
+        print(f"mlacheck gate: exit {code} ({exit_meaning(code)})")
+        print("  INCOMPLETE: the run was interrupted (continue it with `mlacheck run --resume`)",
+              flush=True)
+        results = stage.get("results")
+        if args.report and not stage.get("reporting") and isinstance(results, Path) \
+                and results.exists():
+            from mlacheck.report import main as report_main
+
+            report_main([str(results), "-o", str(results.parent)])
+        return code
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace, extra: list[str], stage: dict[str, object]) -> int:
     from mlacheck import results as results_file
     from mlacheck.matrices import load
     from mlacheck.preflight import (
@@ -93,6 +122,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
 
         shard = shard_mod.parse(args.shard)
     results = check_output_file(args.results, "results file")
+    stage["results"] = results
     if args.junit:
         check_output_file(args.junit, "JUnit XML file")
     unusable = _unusable(request)
@@ -162,11 +192,8 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
 
     os.environ.setdefault("PYTHONHASHSEED", "0")
     end = _SessionEnd()
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        code = int(pytest.main(argv, plugins=[end]))
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    code = int(pytest.main(argv, plugins=[end]))
+    signal.signal(signal.SIGTERM, _interrupt)  # pytest's own handling may have reset it
     if code == EXIT_PYTEST_USAGE:  # pytest said why (an extra argument): mlacheck's usage code
         code = EXIT_USAGE
     elif not end.reached:
@@ -183,6 +210,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.report and results.exists():
         from mlacheck.report import main as report_main
 
+        stage.update(reporting=True, code=code)
         report_main([str(results), "-o", str(results.parent)])
     return code
 

@@ -300,6 +300,57 @@ def test_an_interrupted_run_exits_6_and_says_incomplete(
     assert "INCOMPLETE: 1 of 2 items" in (tmp_path / "report.html").read_text()
 
 
+@pytest.mark.parametrize("when", ["before-pytest", "pytest-start", "report", "report-after-fail"])
+def test_sigterm_before_workers_start_or_at_report_time_is_exit_6(
+        when: str, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Under `timeout -s TERM` 3 of 8 runs exited 143 (issue 33): SIGTERM was handled around
+    pytest.main only, so one before pytest started or while the report was written killed the
+    run. The signal is delivered here through the handler installed at that moment (a real
+    one would end this test process when none is installed)."""
+    import mlacheck.matrices
+    import mlacheck.report
+    from mlacheck import cli
+
+    def deliver() -> None:
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler), f"SIGTERM would end the run with 143 ({when}): {handler!r}"
+        handler(signal.SIGTERM, None)
+
+    def then_signal(f):  # noqa: ANN001, ANN202
+        def wrapped(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            deliver()
+            return f(*a, **k)
+        return wrapped
+
+    res = tmp_path / "r.jsonl"
+    code = outcome.EXIT_KERNEL_FAILURE if when == "report-after-fail" else outcome.EXIT_OK
+
+    def fake_pytest(argv, plugins):  # noqa: ANN001, ANN202 - a run that recorded its items
+        res.write_text(_header(("torch", "c")) + "\n")
+        if when == "pytest-start":  # while pytest starts, before its session handles signals
+            deliver()
+        plugins[0].reached = True
+        return code
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    monkeypatch.setattr(cli, "_unusable", lambda request: {})
+    monkeypatch.setattr(pytest, "main", fake_pytest)
+    if when == "before-pytest":
+        monkeypatch.setattr(mlacheck.matrices, "load", then_signal(mlacheck.matrices.load))
+    reports: list[list[str]] = []
+    monkeypatch.setattr(mlacheck.report, "main", then_signal(reports.append)
+                        if when.startswith("report") else reports.append)
+    before = signal.getsignal(signal.SIGTERM)
+    rc = cli.main(["run", "-b", "torch", "--matrix", str(tiny), "--results", str(res), "-n", "1"])
+    out = capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) == before  # restored
+    assert rc == (code or outcome.EXIT_NOT_ENOUGH_RAN), out
+    assert f"mlacheck gate: exit {rc} (" in out and "INCOMPLETE: the run was interrupted" in out
+    if when == "pytest-start":
+        assert reports  # the report of what is on record was written
+
+
 def test_a_bad_k_or_m_expression_is_a_usage_error(tiny: Path, tmp_path: Path) -> None:
     """Under xdist it was an INTERNALERROR and exit 3, the suite-error code."""
     for flag, expr in (("-k", "not ("), ("-m", "large_kv and")):
