@@ -3,6 +3,7 @@ the gate used to go green while a failure was on record or the requested kernel 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -269,11 +270,15 @@ def test_interrupted_run_reads_incomplete_in_terminal_and_reports(tiny: Path, tm
     assert gate_outcome(res, ["torch"], CoveragePolicy()).code == outcome.EXIT_NOT_ENOUGH_RAN
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(("sig", "group"), [(signal.SIGINT, False), (signal.SIGTERM, False),
+                                           (signal.SIGTERM, True)],
+                         ids=["SIGINT", "SIGTERM", "SIGTERM-process-group"])
 def test_an_interrupted_run_exits_6_and_says_incomplete(
-        sig: signal.Signals, tiny: Path, tmp_path: Path) -> None:
+        sig: signal.Signals, group: bool, tiny: Path, tmp_path: Path) -> None:
     """Ctrl-C said "exit 2 (usage or environment error)" and exited 6; SIGTERM (a CI time
-    limit) gave 143 and printed nothing. Both: exit 6, INCOMPLETE in the terminal and report."""
+    limit) gave 143 and printed nothing. Both: exit 6, INCOMPLETE in the terminal and report.
+    `timeout -s TERM` signals the whole process group, the xdist workers too (issue 33: 3 of
+    8 such runs exited 143): they leave it to the controller."""
     res = tmp_path / "r.jsonl"
     env = {**clean_env(), "PYTHONPATH": str(FIXTURES), "HANG_S": "120"}
     p = subprocess.Popen(
@@ -281,17 +286,23 @@ def test_an_interrupted_run_exits_6_and_says_incomplete(
          "--matrix", str(tiny), "--results", str(res), "-n", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         # a shell's background job ignores SIGINT; a terminal's Ctrl-C does not
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), start_new_session=group)
     try:
         deadline = time.monotonic() + 200
         while '"case_id"' not in (res.read_text() if res.exists() else ""):
             assert p.poll() is None and time.monotonic() < deadline, "no first verdict"
             time.sleep(0.2)
         time.sleep(1)  # the worker is inside the second item now
-        p.send_signal(sig)
+        if group:
+            os.killpg(p.pid, sig)
+        else:
+            p.send_signal(sig)
         out, _ = p.communicate(timeout=120)
     finally:
         p.kill()
+        if group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
     assert p.returncode == outcome.EXIT_NOT_ENOUGH_RAN, out[-3000:]
     assert "mlacheck gate: exit 6 (not enough ran" in out, out[-3000:]
     assert "INCOMPLETE: 1 of 2 items have a verdict" in out
