@@ -219,7 +219,9 @@ def test_premerge_subset(monkeypatch: pytest.MonkeyPatch, gfx: str) -> None:
     broken = [v for v in verdicts if v.status in (FAIL, CRASH)]
     assert not broken, describe(broken)
     by_status = {s: sum(v.status == s for v in verdicts) for s in (PASS, SKIP)}
-    assert by_status[PASS] >= len(verdicts) // 3, by_status
+    # a guard against "everything SKIPs": gfx942 runs 162 of 505 since issue 34's covering
+    # arrays added fp16 / fnuz / per-token combinations (measured 2026-11-26)
+    assert by_status[PASS] >= len(verdicts) // 4, by_status
     ops_passed = {v.op for v in verdicts if v.status == PASS}
     expected = {"mla_decode", "mla_sparse_decode", "paged_prefill"}
     assert ops_passed >= (expected | {"mla_prefill"} if gfx == "gfx950" else expected)
