@@ -72,14 +72,15 @@ def _suite_path() -> str:
 # --------------------------------------------------------------------------- run
 
 
-def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
-    """The run, SIGTERM handled as Ctrl-C from its first line to its report: under `timeout
-    -s TERM` 3 of 8 runs exited 143, with no gate line, when the signal came before pytest
-    started or after it returned (the handler was installed around pytest.main only)."""
+def _run_guarded(argv: list[str]) -> int:
+    """`mlacheck run` with SIGTERM handled as Ctrl-C from its first line to its report: under
+    `timeout -s TERM` 3 of 8 runs exited 143, with no gate line, when the signal came before
+    pytest started (imports, checks: ~2 s) or after it returned (the handler was installed
+    around pytest.main only)."""
     previous = signal.signal(signal.SIGTERM, _interrupt)
     stage: dict[str, object] = {}
     try:
-        return _run(args, extra, stage)
+        return _main(argv, stage)
     except KeyboardInterrupt:  # before pytest ran, or while the report was written
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one kills
         decided = stage.get("code")  # the gate's, when the report was being written
@@ -89,7 +90,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         print("  INCOMPLETE: the run was interrupted (continue it with `mlacheck run --resume`)",
               flush=True)
         results = stage.get("results")
-        if args.report and not stage.get("reporting") and isinstance(results, Path) \
+        if stage.get("report") and not stage.get("reporting") and isinstance(results, Path) \
                 and results.exists():
             from mlacheck.report import main as report_main
 
@@ -99,7 +100,11 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _run(args: argparse.Namespace, extra: list[str], stage: dict[str, object]) -> int:
+def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, object] | None = None
+            ) -> int:
+    """`stage`: how far the run got, for _run_guarded when a signal ends it early."""
+    stage = {} if stage is None else stage
+    stage["report"] = args.report
     from mlacheck import results as results_file
     from mlacheck.matrices import load
     from mlacheck.preflight import (
@@ -633,6 +638,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    return _run_guarded(argv) if argv[:1] == ["run"] else _main(argv, {})
+
+
+def _main(argv: list[str], stage: dict[str, object]) -> int:
     delegated = {"report": "mlacheck.report:main", "gate": "mlacheck.gate.cli:main",
                  "selftest": "mlacheck.selftest:main", "merge": "mlacheck.merge:main"}
     if argv and argv[0] in delegated:
@@ -659,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.cmd == "run":
-            return cmd_run(args, extra)
+            return cmd_run(args, extra, stage)
         if args.cmd == "list":
             return cmd_list(args)
         if args.cmd == "replay":

@@ -311,7 +311,8 @@ def test_an_interrupted_run_exits_6_and_says_incomplete(
     assert "INCOMPLETE: 1 of 2 items" in (tmp_path / "report.html").read_text()
 
 
-@pytest.mark.parametrize("when", ["before-pytest", "pytest-start", "report", "report-after-fail"])
+@pytest.mark.parametrize("when", ["parsing", "before-pytest", "pytest-start", "report",
+                                  "report-after-fail"])
 def test_sigterm_before_workers_start_or_at_report_time_is_exit_6(
         when: str, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -349,6 +350,8 @@ def test_sigterm_before_workers_start_or_at_report_time_is_exit_6(
     monkeypatch.setattr(pytest, "main", fake_pytest)
     if when == "before-pytest":
         monkeypatch.setattr(mlacheck.matrices, "load", then_signal(mlacheck.matrices.load))
+    if when == "parsing":  # the first ~2 s: the command line, imports (torch)
+        monkeypatch.setattr(cli, "build_parser", then_signal(cli.build_parser))
     reports: list[list[str]] = []
     monkeypatch.setattr(mlacheck.report, "main", then_signal(reports.append)
                         if when.startswith("report") else reports.append)
