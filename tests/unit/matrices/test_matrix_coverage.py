@@ -22,7 +22,12 @@ TWO_31, TWO_32 = 1 << 31, 1 << 32
 LONG_PREFILL_TOKENS = 16384  # "multi-segment prefill up to 16k tokens"
 MAX_BATCH = 128
 SMOKE_MAX_CASES = 64  # smoke is one small case per feature (60 before the 6 sparse-path ops: +7)
-SMOKE_CPU_SECONDS = 60  # the budget smoke must meet on a 2-core CPU with the torch backend
+# The budget smoke must meet with the torch backend, in CPU seconds of this process (wall time
+# on a shared machine measures the other jobs too: the 60-s wall budget failed at load ~8 on
+# main and on issue 34's branch alike). Measured 2026-11-26: 39.7 CPU-s before issues 29 / 34,
+# 57.7 CPU-s after (issue 34's second FP8 baseline +45 %, issue 29's 7 sparse-path cases) on
+# the 2-core CI machine; 90 leaves room for one more such step, not for a runaway case.
+SMOKE_CPU_SECONDS = 90
 # moderate: CPU-feasible, minutes on a GPU (half of it the covering arrays since issue 34)
 PREMERGE_CASES = range(150, 551)  # 459 with issue 34, + 55 of the sparse path (issue 29)
 
@@ -172,9 +177,9 @@ def test_smoke_passes_on_the_torch_backend_within_budget() -> None:
     smoke = load("smoke")
     assert len(smoke.cases) <= SMOKE_MAX_CASES
     backend = TorchBackend()
-    start = time.perf_counter()
+    start = time.process_time()
     statuses = {mc.id: run_case(mc.case, backend).status for mc in smoke.cases}
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert {s for s in statuses.values()} == {"PASS"}, statuses
     assert elapsed < SMOKE_CPU_SECONDS
 
