@@ -365,6 +365,22 @@ def test_sigterm_before_workers_start_or_at_report_time_is_exit_6(
         assert reports  # the report of what is on record was written
 
 
+def test_the_duplicate_sigterm_of_timeout_does_not_kill_the_run() -> None:
+    """`timeout -s TERM` signals the run and its process group: two SIGTERMs moments apart.
+    The second was fatal (SIG_DFL): 143 with no gate line (issue 33). A later one still kills."""
+    from mlacheck import cli
+
+    previous = signal.signal(signal.SIGTERM, cli._interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cli._interrupt(signal.SIGTERM, None)
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler), handler
+        handler(signal.SIGTERM, None)  # the duplicate: ignored, the run goes on to its gate
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_a_bad_k_or_m_expression_is_a_usage_error(tiny: Path, tmp_path: Path) -> None:
     """Under xdist it was an INTERNALERROR and exit 3, the suite-error code."""
     for flag, expr in (("-k", "not ("), ("-m", "large_kv and")):
