@@ -28,6 +28,7 @@ from typing import Any
 from mlacheck import layouts
 from mlacheck.spec import (
     DISTRIBUTIONS,
+    PIPELINE_OPS,
     Case,
     Op,
     PrefillCase,
@@ -252,7 +253,10 @@ def factors(op: str) -> tuple[Factor, ...]:
 
 
 def signature(case: Case) -> dict[str, str]:
-    """The levels a case has, factor by factor (factors that do not apply left out)."""
+    """The levels a case has, factor by factor (factors that do not apply left out). The
+    sparse-pipeline ops (spec.PIPELINE_OPS) have no factors here: none."""
+    if case.op in PIPELINE_OPS:
+        return {}
     out = {}
     for f in factors(case.op):
         level = f.of(case)
@@ -349,6 +353,8 @@ def scale_report(case: Case) -> ScaleReport:
     """The FP8 scales a case's quantised inputs get and how far apart they are."""
     from mlacheck import inputs  # torch: only where scales are asked for
 
+    if case.op in PIPELINE_OPS:  # no MLA q / kv: their inputs are mlacheck/pipeline_inputs.py's
+        return ScaleReport(case.id, {}, None, True, "sparse-pipeline op (not measured here)")
     scales, whole = inputs.input_scales(case)
     fp8 = {name: v for name, v in scales.items()
            if (case.quant.q if name == "q" else case.quant.kv).startswith("fp8")}
