@@ -13,6 +13,11 @@ from typing import Any
 import pytest
 import torch
 
+from mlacheck.backends.aiter.api import FP8_MQA_LOGITS, PAGED_MQA_LOGITS
+from mlacheck.backends.aiter_model import _topk as _model_topk
+from mlacheck.backends.aiter_model.ops.triton.attention import fp8_mqa_logits as _model_mqa
+from mlacheck.backends.aiter_model.ops.triton.attention import pa_mqa_logits as _model_pa
+
 
 def get_mla_metadata_info_v1(batch_size, max_seqlen_qo, num_head_qo, q_dtype, kv_dtype,  # noqa: ANN001, ANN201
                              is_sparse, fast_mode=True, num_kv_splits=32,
@@ -97,6 +102,11 @@ HEAD_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "get_ps_metadata_v1": get_ps_metadata_v1,
     "mla.mla_prefill_ps_fwd": mla_prefill_ps_fwd,
     "mha_batch_prefill_func": mha_batch_prefill_func,
+    # the sparse path's entry points as AITER's head has them (the AITER model's, same keywords)
+    "top_k_per_row_prefill": _model_topk.top_k_per_row_prefill,
+    "top_k_per_row_decode": _model_topk.top_k_per_row_decode,
+    FP8_MQA_LOGITS: _model_mqa.fp8_mqa_logits,
+    PAGED_MQA_LOGITS: _model_pa.deepgemm_fp8_paged_mqa_logits,
 }
 
 FP8_OF_CHIP = {"gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn}
@@ -120,13 +130,25 @@ def install_fake_aiter(monkeypatch: pytest.MonkeyPatch, name: str, gfx: str = "g
     dtypes.fp8 = FP8_OF_CHIP.get(gfx, torch.float8_e4m3fn)  # type: ignore[attr-defined]
     chip_info.get_gfx = lambda: gfx  # type: ignore[attr-defined]
     chip_info.get_cu_num = lambda: 80  # type: ignore[attr-defined]
+    # the sparse-path entry points (issue 29) live in submodules: ops.triton.attention.<mod>
+    submodules: dict[str, types.ModuleType] = {}
     for qualname, fn in funcs.items():
         if fn is None:
             continue
         owner, _, attr = qualname.rpartition(".")
+        if owner.startswith("ops."):
+            parent = root
+            for depth, part in enumerate(owner.split(".")):
+                path = ".".join(owner.split(".")[: depth + 1])
+                if path not in submodules:
+                    submodules[path] = types.ModuleType(f"{name}.{path}")
+                    setattr(parent, part, submodules[path])
+                parent = submodules[path]
+            setattr(parent, attr, fn)
+            continue
         setattr(mla if owner == "mla" else root, attr, fn)
     root.mla, root.dtypes, root.jit = mla, dtypes, jit  # type: ignore[attr-defined]
     jit.utils, utils.chip_info = utils, chip_info  # type: ignore[attr-defined]
-    for mod in (root, mla, dtypes, jit, utils, chip_info):
+    for mod in (root, mla, dtypes, jit, utils, chip_info, *submodules.values()):
         monkeypatch.setitem(sys.modules, mod.__name__, mod)
     return name
