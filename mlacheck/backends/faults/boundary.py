@@ -316,4 +316,6 @@ def per_token_scale_ignored(inner: str = "torch") -> PerTokenScaleIgnored:
 
 def narrow_accumulation(inner: str = "torch") -> TorchBackend:
     torch_only(inner, "narrow-accumulation")
-    return TorchBackend(Numerics(acc_format="bf16"), "fault:narrow-accumulation")
+    from mlacheck.backends.faults.precision import _Precision  # its spec's ops: ALL_OPS
+
+    return _Precision(Numerics(acc_format="bf16"), "fault:narrow-accumulation")

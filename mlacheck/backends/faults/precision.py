@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from mlacheck.backends.faults._base import torch_only
+from mlacheck.backends.faults._base import restrict, torch_only
 from mlacheck.backends.numerics import DEFAULT_KV_BLOCK, Numerics
 from mlacheck.backends.torch_ref import TorchBackend
 from mlacheck.ops import Op
@@ -54,7 +54,17 @@ def _bf16(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float64).to(torch.bfloat16))
 
 
-class ScaledSoftmax(TorchBackend):
+# The attention ops the specs name (faults/__init__.py ALL_OPS): the torch backend also runs
+# the sparse-pipeline ops since issue 29, which these faults do not act on.
+PRECISION_OPS = (Op.PREFILL, Op.PAGED_PREFILL, Op.DECODE, Op.SPARSE_DECODE)
+
+
+class _Precision(TorchBackend):
+    def capabilities(self) -> dict:
+        return restrict(super().capabilities(), PRECISION_OPS)
+
+
+class ScaledSoftmax(_Precision):
     """Every exponent scaled by `factor` (what the kernel's constant does to the softmax)."""
 
     def __init__(self, name: str, factor: float, rounded: str = "") -> None:
@@ -72,7 +82,7 @@ class ScaledSoftmax(TorchBackend):
         return case.softmax_scale * self.factor
 
 
-class PartScale(TorchBackend):
+class PartScale(_Precision):
     """The RoPE (last dims.qk_rope) or nope part of q or k scaled in the score product."""
 
     def __init__(self, name: str, tensor: str, part: str, factor: float) -> None:
@@ -90,7 +100,7 @@ class PartScale(TorchBackend):
         return (t, k) if self.tensor == "q" else (q, t)
 
 
-class MaskEdge(TorchBackend):
+class MaskEdge(_Precision):
     """Keys at or past EDGE masked by an off-by-one: `which` picks them (see module doc)."""
 
     def __init__(self, name: str, which: str) -> None:
@@ -114,7 +124,7 @@ class MaskEdge(TorchBackend):
 
 
 def _numerics(name: str, **kw: object) -> TorchBackend:
-    return TorchBackend(Numerics(**kw), name)  # type: ignore[arg-type]
+    return _Precision(Numerics(**kw), name)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- factories
