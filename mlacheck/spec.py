@@ -591,6 +591,30 @@ class _RowWindows:
                      for j in range(u.q_len))
 
 
+class _PagedRequests:
+    """Pipeline cases whose units are requests over one paged pool (the indexer-key cache
+    and / or the latent pool), all read through the request's block table."""
+
+    requests: tuple[Request, ...]
+    page_size: int
+
+    @property
+    def units(self) -> tuple[Request, ...]:
+        return self.requests
+
+    @property
+    def paging(self) -> Paging:
+        return Paging(self.page_size)
+
+
+class _NextN(_PagedRequests):
+    """Pipeline cases whose requests all have one q_len (_check_next_n): next_n."""
+
+    @property
+    def next_n(self) -> int:
+        return self.requests[0].q_len
+
+
 def _check_units(units: tuple[Segment, ...] | tuple[Request, ...], what: str) -> None:
     if not units:
         raise ValueError(f"a {what} case needs at least one {'segment' if what == 'prefill' else 'request'}")
@@ -674,7 +698,7 @@ class IndexerCase(_RowWindows, _CaseBase):
 
 
 @dataclass(frozen=True)
-class PagedIndexerCase(_RowWindows, _CaseBase):
+class PagedIndexerCase(_NextN, _RowWindows, _CaseBase):
     """The lightning indexer's logits, decode form (`paged_mqa_logits`: DeepGEMM
     `fp8_paged_mqa_logits`, AITER `deepgemm_fp8_paged_mqa_logits`): every request has the same
     q_len (next_n: 1, or 2+ for MTP); its keys live in a paged FP8 key cache in the kernels'
@@ -698,18 +722,6 @@ class PagedIndexerCase(_RowWindows, _CaseBase):
         _check_page_size(self.page_size)
         _check_units(self.requests, "decode")
         _check_next_n(self.requests)
-
-    @property
-    def units(self) -> tuple[Request, ...]:
-        return self.requests
-
-    @property
-    def next_n(self) -> int:
-        return self.requests[0].q_len
-
-    @property
-    def paging(self) -> Paging:
-        return Paging(self.page_size)
 
     @property
     def slug(self) -> str:
@@ -764,7 +776,7 @@ class TopkCase(_RowWindows, _CaseBase):
 
 
 @dataclass(frozen=True)
-class IndexConversionCase(_RowWindows, _CaseBase):
+class IndexConversionCase(_PagedRequests, _RowWindows, _CaseBase):
     """Request-local top-k positions -> global KV slots (`index_conversion`): per query token
     its request-local positions (-1 padded to topk, as top-k returns them; at most
     `valid_cap` valid ones when set) go through its request's block table to
@@ -791,14 +803,6 @@ class IndexConversionCase(_RowWindows, _CaseBase):
         _check_topk(self.topk, self.valid_cap)
         if self.index_layout not in ("row_major", "ragged"):
             raise ValueError(f"index_layout must be row_major or ragged, not {self.index_layout!r}")
-
-    @property
-    def units(self) -> tuple[Request, ...]:
-        return self.requests
-
-    @property
-    def paging(self) -> Paging:
-        return Paging(self.page_size)
 
     @property
     def slug(self) -> str:
@@ -859,7 +863,7 @@ class SparsePrefillCase(_RowWindows, _CaseBase):
 
 
 @dataclass(frozen=True)
-class SparsePipelineCase(_RowWindows, _CaseBase):
+class SparsePipelineCase(_NextN, _RowWindows, _CaseBase):
     """The DeepSeek-V3.2 decode path composed (`sparse_pipeline`): the paged indexer logits of
     every query token (next_n per request), its top-k (request-local, -1 padded), those
     positions as global slots of the paged latent pool, and sparse MLA decode over them. The
@@ -892,18 +896,6 @@ class SparsePipelineCase(_RowWindows, _CaseBase):
         _check_pool_quant(self.quant)
         _check_topk(self.topk)
         _check_index_format(self.index_fmt)
-
-    @property
-    def units(self) -> tuple[Request, ...]:
-        return self.requests
-
-    @property
-    def next_n(self) -> int:
-        return self.requests[0].q_len
-
-    @property
-    def paging(self) -> Paging:
-        return Paging(self.page_size)
 
     def attention_case(self) -> SparseDecodeCase:
         """The sparse decode stage as a case of its own (the same requests, pool and seed)."""
