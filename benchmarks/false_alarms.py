@@ -60,7 +60,7 @@ def _work(item: tuple[str, int, str | None, int, list[str], str]) -> list[dict[s
         v = run_case(case, _BACKENDS[name], RunOptions(device, share=True))
         rec = {k: x for k, x in v.to_dict().items() if k != "metrics"}
         rec["metrics"] = {k: x for k, x in v.metrics.items() if k not in ("heatmap", "traceback")}
-        rec["seed"], rec["distribution"] = seed, case.distribution
+        rec["seed"], rec["distribution"] = seed, getattr(case, "distribution", None)
         out.append(rec)
     release_shared()
     return out
@@ -76,7 +76,10 @@ def items(matrix: str, seeds: range, names: list[str], device: str, exclude: lis
     for seed in seeds:
         for i, mc in enumerate(load(matrix, seed).cases):
             if not set(mc.markers) & set(exclude) and pattern in mc.case.id:
-                for d in dists or [None]:
+                # the sparse path's cases draw their inputs their own way (no distribution
+                # field): each runs once, under its own draw
+                drawn = any(f.name == "distribution" for f in dataclasses.fields(mc.case))
+                for d in (dists or [None]) if drawn else [None]:
                     yield matrix, seed, d, i, names, device
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mlacheck.spec import Case, DecodeCase, Op, Quant, Request
+from mlacheck import indexer_cache
+from mlacheck.spec import Case, DecodeCase, Op, PagedIndexerCase, Placement, Quant, Request
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class KnownFailure:
     applies: Callable[[Case], bool]
     finding: str
     minimal_case: Case  # reproduces it: `mlacheck replay '<its JSON>' --backend <backend>`
+    # strict: a matching case that passes is XPASS (the finding may be fixed). Not strict only
+    # where the bug's size depends on the inputs drawn (a dropped key's weight), so a
+    # matching case can pass with the bug present; such a pass is a plain PASS.
     strict: bool = True
 
     def matches(self, backend: str, case: Case) -> bool:
@@ -46,6 +50,48 @@ def _folded_kv_offset_wrong(gfx: str | None) -> Callable[[Case], bool]:
         return folded_kv_offsets_wrong(case, gfx)  # asked about mla_decode cases only
 
     return applies
+
+
+# FlashInfer's MLA planner (include/flashinfer/attention/scheduler.cuh, MLAPlan): q rows are
+# packed token-major (row = token * num_heads + head) and tiled by clusters of 64-row CTAs,
+# two CTAs per cluster when the batch's mean packed q length exceeds 64; keys are loaded in
+# 64-key tiles.
+FLASHINFER_MLA_CTA_TILE_Q = 64
+FLASHINFER_MLA_CTA_TILE_KV = 64
+
+
+def flashinfer_mtp_last_key_dropped(case: Case) -> bool:
+    """A request whose last causal key FlashInfer's MLA kernel never loads for some heads.
+
+    mla.cuh / mla_hopper.cuh bound the last KV tile a cluster loads by `kv_len - q_len +
+    (packed_qo_start + cluster_tile_q) / num_heads` (floor), where the cluster's last token t
+    needs kv_len - q_len + t + 1 keys: one short whenever the cluster's row tile ends inside a
+    token (num_heads not dividing the tile end). The lost key is a whole 64-key tile only when
+    the needed count is 1 past a tile boundary, and those heads then attend without it."""
+    reqs = case.requests
+    heads = case.num_heads
+    mean_packed = sum(r.q_len * heads for r in reqs) // len(reqs)
+    tile = FLASHINFER_MLA_CTA_TILE_Q * (2 if mean_packed > FLASHINFER_MLA_CTA_TILE_Q else 1)
+    for r in reqs:
+        if r.q_len < 2 or r.kv_len == 0:
+            continue
+        for start in range(0, r.q_len * heads, tile):
+            last_token = min((start + tile - 1) // heads, r.q_len - 1)
+            needed = r.kv_len - r.q_len + last_token + 1
+            loaded = r.kv_len - r.q_len + (start + tile) // heads
+            if loaded < needed and needed % FLASHINFER_MLA_CTA_TILE_KV == 1:
+                return True
+    return False
+
+
+def aiter_triton_block_offset_past_int32(case: Case) -> bool:
+    """A paged indexer cache with live pages at byte offsets >= 2^31 (the `high` placements
+    at real, 32-bit scale put half the live pages at or above their offset)."""
+    assert isinstance(case, PagedIndexerCase)
+    placement: Placement = case.placement
+    return (placement.kind == "high" and placement.offset_bits == 32
+            and placement.offset_bytes >= 2**31
+            and indexer_cache.page_bytes(case.page_size, case.head_dim) > 0)
 
 
 # Finding 2's minimal case on gfx942: 32 bf16 heads fold into two pseudo-batches.
@@ -83,6 +129,38 @@ RULES: tuple[KnownFailure, ...] = (
         ("gfx950", ("aiter-model-gfx950",),
          DecodeCase(requests=(Request(1, 700), Request(1, 900)), num_heads=24, page_size=16,
                     quant=Quant("bf16", "fp8_e4m3fn", "amax"))))),
+    KnownFailure(
+        name="flashinfer-mla-mtp-cluster-tile-last-key",
+        backends=("flashinfer", "flashinfer-fa3"),
+        op=Op.DECODE,
+        applies=flashinfer_mtp_last_key_dropped,
+        finding=("FlashInfer MLA decode with q_len > 1: the last KV tile a cluster loads is "
+                 "bounded by (packed_qo_start + cluster_tile_q) / num_heads, a floor where the "
+                 "cluster's last token needs one more key (include/flashinfer/attention/mla.cuh "
+                 "and mla_hopper.cuh, 0.2.14.post1 and main fb28d7242); with 96 heads and "
+                 "kv_len = 1 mod 64 heads 0-31 of token 1 never see the last key. Replayed on "
+                 "the H100: kv 65 / 129 with 96 heads fail, kv 66, 64 and 128 heads pass. "
+                 "docs/gpu-results.md, finding 3"),
+        # how large the missed key's weight is depends on the draw: a matching case may pass
+        minimal_case=DecodeCase(requests=(Request(2, 65),), num_heads=96, page_size=64),
+        strict=False,
+    ),
+    KnownFailure(
+        name="aiter-triton-paged-mqa-logits-int32-block-offset",
+        backends=("aiter-triton",),
+        op=Op.PAGED_MQA_LOGITS,
+        applies=aiter_triton_block_offset_past_int32,
+        finding=("AITER Triton deepgemm_fp8_paged_mqa_logits, non-gluon path "
+                 "(_deepgemm_fp8_paged_mqa_logits, what runs outside gfx942 / gfx950 / gfx1250 "
+                 "or on Triton < 3.5 without the AOT gluon kernel): the key address "
+                 "physical_block_idx * stride_k_block is a 32-bit product (int32 block ids, "
+                 "int32 stride), so pages at byte offsets >= 2^31 read other memory "
+                 "(aiter/ops/triton/_triton_kernels/attention/pa_mqa_logits.py at e4048607a). "
+                 "Replayed on the H100 with a direct call: pages below 2^31 right, pages past "
+                 "it wrong. docs/gpu-results.md, finding 4"),
+        minimal_case=PagedIndexerCase(requests=(Request(1, 700),), page_size=64,
+                                      placement=Placement("high", offset_bytes=2**31)),
+    ),
 )
 
 

@@ -76,3 +76,30 @@ def test_p_rounding_families_pass_the_fp8_cases(variant: str) -> None:
     bad = [v.summary() for v in (run_case(c, backend) for c in cases)
            if v.status not in (PASS, SKIP)]
     assert not bad, "\n".join(bad)
+
+
+def test_the_benchmark_runs_pipeline_cases_once_under_their_own_draw() -> None:
+    """benchmarks/false_alarms.py --distribution: cases with a distribution field run under
+    each one; the sparse path's cases (no such field) once, as drawn (it raised TypeError on
+    IndexerCase and every seed of the H100 run of 2026-11-26 died on it)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "false_alarms.py"
+    spec = importlib.util.spec_from_file_location("false_alarms_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    work = list(bench.items("premerge", range(1), ["torch"], "cpu", ["large_kv"], "",
+                           ["gaussian", "layer"]))
+    cases = load("premerge", 0).cases
+    per_case: dict[int, list] = {}
+    for _, _, dist, index, _, _ in work:
+        per_case.setdefault(index, []).append(dist)
+    pipeline = [i for i in per_case if cases[i].case.op in PIPELINE_OPS]
+    dense = [i for i in per_case if cases[i].case.op not in PIPELINE_OPS]
+    assert pipeline and dense
+    assert all(per_case[i] == [None] for i in pipeline)
+    assert all(per_case[i] == ["gaussian", "layer"] for i in dense)
+    record = bench._work(("premerge", 0, None, pipeline[0], ["torch"], "cpu"))[0]
+    assert record["status"] == PASS and record["distribution"] is None

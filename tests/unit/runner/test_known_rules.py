@@ -12,7 +12,7 @@ from mlacheck.backends.aiter_triton import NVIDIA_FP8_Q_MIN_PAGE, NVIDIA_PAGES, 
 from mlacheck.backends.base import Capability, Range
 from mlacheck.backends.registry import resolve
 from mlacheck.matrices import load, names
-from mlacheck.spec import OPS, DecodeCase
+from mlacheck.spec import OPS, DecodeCase, Request
 
 # The 41 ids that the H100 nightly of 2026-11-22 reported for finding 1 (the rule's origin).
 FINDING_1_NIGHTLY_IDS = frozenset({
@@ -137,3 +137,57 @@ def test_a_known_failure_that_passes_is_marked_for_xpass() -> None:
 def test_nightly_case_of_finding_2_is_in_the_nightly_matrix() -> None:
     ids = {mc.case.id for mc in load("nightly").cases}
     assert "dec-b128-kv1000-32768-h128-p64-bf16-shuffled-7f65875f" in ids
+
+
+# The H100 replay of 2026-11-26 (.dev/lead/fi96, fa3; fa2 failed the same nightly cases):
+# (q_len, kv_len, heads) -> failed. The rule must select exactly the failing ones.
+FINDING_3_REPLAY = {(2, 65, 96): True, (2, 66, 96): False, (2, 65, 128): False,
+                    (2, 129, 96): True, (2, 65, 64): False}
+
+
+def test_flashinfer_mtp_rule_selects_exactly_the_replayed_failures() -> None:
+    for (q_len, kv_len, heads), failed in FINDING_3_REPLAY.items():
+        case = DecodeCase(requests=(Request(q_len, kv_len),), num_heads=heads, page_size=64)
+        assert known.flashinfer_mtp_last_key_dropped(case) is failed, (q_len, kv_len, heads)
+    # and the two nightly cases that failed on the H100 (both kernels)
+    ids = {"dec-b1-mtp2-kv3073-h96-p1-fp16", "dec-b35-mtp2-kv0-449-empty2-h96-p256-bf16"}
+    hits = {c.id.rsplit("-", 1)[0] for c in (mc.case for mc in load("nightly").cases)
+            if known.lookup("flashinfer", c)}
+    assert {i for i in ids if any(h.startswith(i) for h in hits)} == ids
+
+
+def test_flashinfer_mtp_rule_never_matches_single_token_decode() -> None:
+    for heads in (8, 16, 32, 64, 96, 128):
+        for kv in (1, 63, 64, 65, 129, 4097):
+            case = DecodeCase(requests=(Request(1, kv),) * 3, num_heads=heads, page_size=64)
+            assert not known.flashinfer_mtp_last_key_dropped(case)
+
+
+def test_a_non_strict_rule_leaves_a_pass_unlabelled() -> None:
+    """Non-strict (the dropped key's weight depends on the draw): a matching case that passes
+    is a plain PASS, not XPASS; the strict rules stay strict."""
+    rule = next(r for r in known.RULES if not r.strict)
+
+    class Renamed:  # the correct torch backend under the name the rule documents
+        def __init__(self) -> None:
+            self.inner = resolve("torch")
+            self.name = rule.backends[0]
+
+        def __getattr__(self, a: str):  # noqa: ANN204
+            return getattr(self.inner, a)
+
+    v = harness.run_case(rule.minimal_case, Renamed())
+    assert v.status == "PASS" and not v.known_rule and v.bucket == "PASS"
+
+
+def test_aiter_triton_indexer_rule_matches_real_scale_high_pools_only() -> None:
+    from mlacheck.spec import PagedIndexerCase, Placement
+    rule = next(r for r in known.RULES if r.op == "paged_mqa_logits")
+    for offset, bits, expected in ((2**31, 32, True), (2**32, 32, True), (2**30, 32, False)):
+        case = PagedIndexerCase(requests=(Request(1, 700),),
+                                placement=Placement("high", offset_bytes=offset, offset_bits=bits))
+        assert rule.matches("aiter-triton", case) is expected
+    scaled = PagedIndexerCase(requests=(Request(1, 700),),
+                              placement=Placement("high", offset_bytes=2**31).scaled(24))
+    assert not rule.matches("aiter-triton", scaled)
+    assert not rule.matches("deepgemm", rule.minimal_case)
