@@ -115,6 +115,15 @@ def test_folded_heads_kv_offset_finding_reproduces_on_the_model() -> None:
     assert "kv_offset 128, expected 132 (tokens of request 1" in meta.detail
 
 
+class _torch_named:  # noqa: N801 - the correct torch backend under another backend's name
+    def __init__(self, name: str) -> None:
+        self.inner = resolve("torch")
+        self.name = name
+
+    def __getattr__(self, a: str):  # noqa: ANN204
+        return getattr(self.inner, a)
+
+
 def test_a_known_failure_that_passes_is_marked_for_xpass() -> None:
     """A rule matching a case that passes: the verdict still names the rule (the gate turns
     it into XPASS); a backend the rule does not name gets nothing."""
@@ -122,15 +131,7 @@ def test_a_known_failure_that_passes_is_marked_for_xpass() -> None:
     v = harness.run_case(rule.minimal_case, resolve("torch"))
     assert v.status == "PASS" and not v.known_rule
 
-    class Renamed:  # the correct torch backend under the name the rule documents
-        def __init__(self) -> None:
-            self.inner = resolve("torch")
-            self.name = rule.backends[0]
-
-        def __getattr__(self, a: str):  # noqa: ANN204
-            return getattr(self.inner, a)
-
-    v = harness.run_case(rule.minimal_case, Renamed())
+    v = harness.run_case(rule.minimal_case, _torch_named(rule.backends[0]))
     assert v.status == "PASS" and v.known_rule == rule.name
 
 
@@ -168,15 +169,7 @@ def test_a_non_strict_rule_leaves_a_pass_unlabelled() -> None:
     is a plain PASS, not XPASS; the strict rules stay strict."""
     rule = next(r for r in known.RULES if not r.strict)
 
-    class Renamed:  # the correct torch backend under the name the rule documents
-        def __init__(self) -> None:
-            self.inner = resolve("torch")
-            self.name = rule.backends[0]
-
-        def __getattr__(self, a: str):  # noqa: ANN204
-            return getattr(self.inner, a)
-
-    v = harness.run_case(rule.minimal_case, Renamed())
+    v = harness.run_case(rule.minimal_case, _torch_named(rule.backends[0]))
     assert v.status == "PASS" and not v.known_rule and v.bucket == "PASS"
 
 
