@@ -38,6 +38,7 @@ def case_scheduler(config: Any, log: Any, need: dict[str, int],
       the longest case that fits its GPU beside the cases already handed to that GPU's
       workers (pick_unit), so no worker is given a case to wait for while another GPU has
       room for it, and the large cases spread over the GPUs.
+    - A worker replacing a crashed one gets work only once its collection is in.
     - The item a worker died under is not run again: loadscope puts the whole unfinished
       group back, the crashed item included, so a kernel that aborts the process would take
       down one worker after another (the item is recorded as CRASH).
@@ -77,6 +78,12 @@ def case_scheduler(config: Any, log: Any, need: dict[str, int],
             super()._assign_work_unit(node)
 
         def _reschedule(self, node: Any) -> None:
+            if node not in self.registered_collections:
+                # a worker replacing a crashed one, still collecting: xdist would hand it
+                # work when another replacement reports (KeyError, INTERNALERROR: the run
+                # ended after two kernel crashes, nightly on the H100); it gets work when
+                # its own collection arrives
+                return
             if (not node.shutting_down and self.workqueue
                     and self._pending_of(self.assigned_work[node]) > 1):
                 return  # more than its last item still to run: no next case yet

@@ -70,19 +70,22 @@ class TorchBackend:
         decode = Capability(causal=(True,), per_token_scales=True, empty_requests=True,
                             layouts=every)
         indexer = Capability(per_token_scales=True, empty_requests=True)
-        if self.numerics.p_normalised:  # 16-bit P only: see P_NORMALISED_FORMATS
-            full, decode = (replace(c, q_formats=P_NORMALISED_FORMATS,
-                                    kv_formats=P_NORMALISED_FORMATS,
-                                    reasons={"q_formats": P_NORMALISED_FP8, "kv_formats": P_NORMALISED_FP8})
-                            for c in (full, decode))
+        sparse_prefill = Capability(empty_requests=True)
+        pipeline = Capability(empty_requests=True, layouts=every)
+        if self.numerics.p_normalised:  # 16-bit P only (P_NORMALISED_FORMATS): every op
+            # whose attention rounds P with these numerics
+            full, decode, sparse_prefill, pipeline = (
+                replace(c, q_formats=P_NORMALISED_FORMATS, kv_formats=P_NORMALISED_FORMATS,
+                        reasons={"q_formats": P_NORMALISED_FP8, "kv_formats": P_NORMALISED_FP8})
+                for c in (full, decode, sparse_prefill, pipeline))
         return {Op.PREFILL: full, Op.PAGED_PREFILL: full, Op.DECODE: decode,
                 Op.SPARSE_DECODE: decode,
                 # the DeepSeek-V3.2 sparse pipeline (mlacheck.backends.torch_pipeline)
                 Op.MQA_LOGITS: indexer, Op.PAGED_MQA_LOGITS: indexer,
                 Op.TOPK: Capability(empty_requests=True),
                 Op.INDEX_CONVERSION: Capability(empty_requests=True),
-                Op.SPARSE_PREFILL: Capability(empty_requests=True),
-                Op.SPARSE_PIPELINE: Capability(empty_requests=True, layouts=every)}
+                Op.SPARSE_PREFILL: sparse_prefill,
+                Op.SPARSE_PIPELINE: pipeline}
 
     def run(self, case: Case, inputs: Inputs) -> Output:
         if case.op in PIPELINE_OPS:

@@ -103,3 +103,23 @@ def test_the_benchmark_runs_pipeline_cases_once_under_their_own_draw() -> None:
     assert all(per_case[i] == ["gaussian", "layer"] for i in dense)
     record = bench._work(("premerge", 0, None, pipeline[0], ["torch"], "cpu"))[0]
     assert record["status"] == PASS and record["distribution"] is None
+
+
+def test_torch_normalised_claims_no_fp8_p_on_any_attention_op() -> None:
+    """torch-normalised is a 16-bit-P control (P / l rounded to e4m3 is no correct FP8
+    implementation): its capabilities refuse FP8 KV on every op whose attention rounds P,
+    the sparse pipeline's included (4 'false alarms' per premerge seed on the H100 host
+    were this variant running FP8 sparse-pipeline cases)."""
+    from mlacheck.ops import Op
+
+    caps = resolve("torch-normalised").capabilities()
+    no_p = {Op.MQA_LOGITS, Op.PAGED_MQA_LOGITS, Op.TOPK, Op.INDEX_CONVERSION}
+    fp8_kv = {}
+    for mc in load("premerge", 0).cases:
+        c = mc.case
+        if c.op not in no_p and getattr(c, "quant", None) and c.quant.kv.startswith("fp8"):
+            fp8_kv.setdefault(c.op, c)
+    assert Op.SPARSE_PIPELINE in fp8_kv and Op.DECODE in fp8_kv
+    for op, case in fp8_kv.items():
+        reason = caps[op].why_not(case, "cpu")
+        assert reason and "16-bit-P control" in reason, (op, reason)

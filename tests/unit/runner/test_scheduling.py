@@ -125,3 +125,30 @@ def test_workers_publish_their_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     admission.publish_worker_gpu(tmp_path, "gw4", "cpu")  # a CPU run publishes nothing
     (tmp_path / "gw9.json").write_text("{not json")
     assert admission.worker_gpus(tmp_path) == {"gw3": ("GPU-1234", 64 << 30)}
+
+
+def test_two_crashed_workers_and_their_replacements_keep_the_run_going() -> None:
+    """xdist replaces a crashed worker with a new one that collects first; when two
+    replacements exist and one reports, scheduling must not hand work to the other before
+    its collection is in (it raised KeyError: INTERNALERROR, the H100 nightly ended after
+    two kernel crashes, 2026-11-26)."""
+    sched = case_scheduler(FakeConfig(2), None, NEED, None)
+    nodes = [FakeNode("gw0"), FakeNode("gw1")]
+    collection = [f"suite.py::test_mla[b-{case}]@{case}" for case in NEED]
+    for node in nodes:
+        sched.add_node(node)
+        sched.add_node_collection(node, collection)
+    sched.schedule()
+    crashed = [sched.remove_node(n) for n in nodes]  # both die on their first item
+    assert all(c is not None for c in crashed)
+    fresh = [FakeNode("gw2"), FakeNode("gw3")]
+    for node in fresh:
+        sched.add_node(node)
+    sched.add_node_collection(fresh[0], collection)
+    sched.schedule()  # gw3 has not collected yet
+    assert fresh[0].sent and not fresh[1].sent
+    sched.add_node_collection(fresh[1], collection)
+    sched.schedule()
+    assert fresh[1].sent
+    ran = {collection[i] for n in fresh for i in n.sent}
+    assert not ran & set(crashed)  # the items the workers died under are not run again
