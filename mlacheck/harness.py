@@ -29,7 +29,7 @@ from mlacheck import tolerances as tol
 from mlacheck.backends.base import Backend, Output, skip_reason
 from mlacheck.backends.numerics import Numerics
 from mlacheck.backends.torch_ref import TorchBackend
-from mlacheck.spec import PIPELINE_OPS, Case
+from mlacheck.spec import PIPELINE_OPS, Case, Op
 from mlacheck.verdict import Verdict
 
 BASELINE = TorchBackend(name="baseline")
@@ -37,7 +37,12 @@ P_NORMALISED_BASELINE = TorchBackend(Numerics(p_normalised=True), name="baseline
 
 
 class DeviceError(RuntimeError):
-    """The device context may be poisoned (device-side assert, memory fault): stop the worker."""
+    """The device context may be poisoned (device-side assert, memory fault): stop the worker.
+    `verdict`: the judge's CRASH verdict for the item (known-failure label included)."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(verdict.reason)
+        self.verdict = verdict
 
 
 DEVICE_ERROR_MARKERS = (
@@ -185,7 +190,7 @@ def _run_admitted(case: Case, backend: Backend, opts: RunOptions, ran: dict[str,
             return suite_error("running the kernel beside other workers' cases", e)
         crash = judge.crashed(case, backend.name, e, ran)
         if any(m in str(e) for m in DEVICE_ERROR_MARKERS):
-            raise DeviceError(crash.reason) from e
+            raise DeviceError(crash) from e
         return CaseResult(crash)
     t["kernel"], clock = time.perf_counter() - clock, time.perf_counter()
     try:
@@ -303,8 +308,8 @@ def baselines(case: Case) -> list[TorchBackend]:
     therefore derived from the worse of BASELINE and P_NORMALISED_BASELINE (whose largest
     weight is rounded); bf16 / fp16 P (8 / 11 bits) keep BASELINE alone (docs/detection.md
     "P rounding families")."""
-    if case.op in PIPELINE_OPS:  # logits, selections, slots; sparse prefill takes bf16 / fp16
-        return [BASELINE]
+    if case.op in PIPELINE_OPS and case.op != Op.SPARSE_PIPELINE:
+        return [BASELINE]  # logits, selections, slots; sparse prefill takes bf16 / fp16
     p_fmt = tol.compute_format(case.quant.q, case.quant.kv)
     return [BASELINE, P_NORMALISED_BASELINE] if p_fmt.startswith("fp8") else [BASELINE]
 

@@ -48,10 +48,13 @@ DETAIL_ROWS = 3
 def judge(v: Verdict, case: Case, inputs: Any, output: Output, gold: Any,
           baseline: Output | Sequence[Output], ideal: Any) -> None:
     """Fill v's checks, locations, metrics and diagnosis (the caller sets the status).
-    `baseline`: one Output or a family of them (mlacheck.harness.baselines; the pipeline
-    ops have one member, the eager baseline)."""
+    `baseline`: one Output or a family of them (mlacheck.harness.baselines: the eager
+    baseline, and for the composed path's FP8 attention the P-rounding family too)."""
     family = [baseline] if isinstance(baseline, Output) else list(baseline)
-    _JUDGES[case.op](v, case, inputs, output, gold, family[0], ideal)
+    if case.op == Op.SPARSE_PIPELINE:
+        _pipeline(v, case, inputs, output, gold, family, ideal)
+    else:
+        _JUDGES[case.op](v, case, inputs, output, gold, family[0], ideal)
     if output.wrote_into_guarded:
         viol = inputs.out.violations()
         v.checks.append(Check("guards", not viol, float(len(viol)), 0.0, "; ".join(viol)))
@@ -374,8 +377,8 @@ def _check_row_scalar(name: str, got: torch.Tensor, gold: torch.Tensor,
 # --------------------------------------------------------------------------- composed path
 
 
-def _pipeline(v: Verdict, case: Case, inputs: Any, output: Output, gold: Any, baseline: Output,
-              ideal: Any) -> None:
+def _pipeline(v: Verdict, case: Case, inputs: Any, output: Output, gold: Any,
+              family: Sequence[Output], ideal: Any) -> None:
     slots = output.extra.get("slots")
     if slots is None:
         v.checks.append(Check("selection", False, detail="the path returned no selection "
@@ -395,10 +398,10 @@ def _pipeline(v: Verdict, case: Case, inputs: Any, output: Output, gold: Any, ba
     v.metrics["selection_allowance"] = (
         float(attention_judge.row_errors(ref.out.detach().cpu(), gold.out.detach().cpu())
               .nan_to_num(0.0).max()) if bool(differ.any()) else 0.0)
-    base = _baseline_on_own_selection(inputs, baseline, gold, gold_slots, slots, ref)
+    bases = [_baseline_on_own_selection(inputs, b, gold, gold_slots, slots, ref) for b in family]
     twin_case = inputs.case.attention_case()
     twin = inputs.attention_with(torch.full_like(local, -1))
-    attention_judge._judge_numerics(v, twin_case, twin, output, ref, base, None)
+    attention_judge._judge_numerics(v, twin_case, twin, output, ref, bases, None)
     if selection_diagnosis:
         v.diagnosis, v.metrics["axis"] = selection_diagnosis, "selection"
 
@@ -459,5 +462,4 @@ _JUDGES = {
     Op.TOPK: _topk,
     Op.INDEX_CONVERSION: _conversion,
     Op.SPARSE_PREFILL: _sparse_prefill,
-    Op.SPARSE_PIPELINE: _pipeline,
-}
+}  # Op.SPARSE_PIPELINE: _pipeline, which takes the whole baseline family

@@ -452,7 +452,7 @@ def check_item(item: MatrixItem, state: _State, node: pytest.Item) -> None:
     """Run one item, record its verdict, and turn it into a pytest outcome."""
     from mlacheck.harness import CaseResult, DeviceError, RunOptions, run
     from mlacheck.session import pytest_outcome
-    from mlacheck.verdict import CRASH, XPASS, Verdict
+    from mlacheck.verdict import XPASS
 
     if state.device_poisoned:
         pytest.skip(f"device context poisoned by an earlier device error ({state.device_poisoned})")
@@ -463,9 +463,8 @@ def check_item(item: MatrixItem, state: _State, node: pytest.Item) -> None:
     start = time.time()
     try:
         result = run(item.case, backend, opts)
-    except DeviceError as e:
-        result = CaseResult(Verdict(item.case.id, item.backend, item.case.op, CRASH,
-                                    f"device error: {e}"))
+    except DeviceError as e:  # the judge's CRASH verdict; this worker stops after recording it
+        result = CaseResult(e.verdict)
         state.device_poisoned = item.case.id
     verdict, record = result.verdict, result.record()
     # when and in which worker it ran: a run's timeline (benchmarks/suite_throughput.py)
@@ -705,11 +704,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def _crash_record(state: _State, item: MatrixItem, reason: str, nodeid: str) -> dict[str, Any]:
     import json
 
+    from mlacheck.judge import with_known_label
     from mlacheck.verdict import CRASH, Verdict
 
     case, backend = item.case, item.backend
-    v = Verdict(case.id, state.backend(backend).name, case.op, CRASH, reason,
-                case=json.loads(case.to_json()))
+    v = with_known_label(Verdict(case.id, state.backend(backend).name, case.op, CRASH, reason,
+                                 case=json.loads(case.to_json())), case)
     d = v.to_dict()
     d.update(nodeid=nodeid, backend_spec=backend)
     return d

@@ -184,3 +184,26 @@ def test_aiter_triton_indexer_rule_matches_real_scale_high_pools_only() -> None:
                               placement=Placement("high", offset_bytes=2**31).scaled(24))
     assert not rule.matches("aiter-triton", scaled)
     assert not rule.matches("deepgemm", rule.minimal_case)
+
+
+def test_a_device_error_on_a_documented_case_is_known() -> None:
+    """A kernel that poisons the device (illegal address) on a case a rule documents: the
+    CRASH the worker records before it stops carries the rule, like any other verdict (the
+    H100 nightly's AITER indexer crashes past 2^31 were unlabelled CRASHes: exit 1)."""
+    rule = next(r for r in known.RULES if r.name.startswith("flashinfer-mla-mtp"))
+    torch_backend = _torch_named(rule.backends[0])
+
+    class Faulting:
+        name = rule.backends[0]
+
+        def __getattr__(self, a: str):  # noqa: ANN204
+            return getattr(torch_backend, a)
+
+        def run(self, case, inputs):  # noqa: ANN001, ANN201
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(harness.DeviceError) as got:
+        harness.run(rule.minimal_case, Faulting(), harness.RunOptions("cpu"))
+    v = got.value.verdict
+    assert v.status == "CRASH" and v.known_rule == rule.name and v.bucket == "KNOWN"
+    assert "illegal memory access" in v.reason
