@@ -8,20 +8,36 @@ exit code is mlacheck.session.outcome's, here as under plain pytest.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import re
 import signal
 import sys
-import time
-from pathlib import Path
+from os.path import basename
 from types import FrameType
 
-from mlacheck.errors import OneLineParser, UsageError
-from mlacheck.outcome import (
+
+def _hold(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM / SIGINT while the command line is read, before main() knows the command: noted
+    and acted on then (`run`: an interrupted run, exit 6; other commands: as by default).
+    Without it `timeout -s TERM` in the interpreter's first moments gave 143, no gate line."""
+    _HELD.append(signum)
+
+
+_HELD: list[int] = []
+_EARLY_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+if __name__ == "__main__" or basename(sys.argv[0]) == "mlacheck":  # the entry points: held
+    for _signum in _EARLY_SIGNALS:  # from here, not only from main() (imports: 0.03-0.17 s)
+        signal.signal(_signum, _hold)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from mlacheck.errors import OneLineParser, UsageError  # noqa: E402
+from mlacheck.outcome import (  # noqa: E402
     EXIT_KERNEL_FAILURE,
-    EXIT_NOT_ENOUGH_RAN,
     EXIT_OK,
     EXIT_PYTEST_USAGE,
     EXIT_SUITE_ERROR,
@@ -35,21 +51,42 @@ PYTEST_INTERRUPTED = 2  # pytest.ExitCode.INTERRUPTED (pytest is imported only t
 
 class _SessionEnd:
     """A pytest plugin that notes whether the session reached its end, where the mlacheck
-    plugin sets the gate's code."""
+    plugin sets the gate's code, and the session's config (the gate's lines)."""
 
     reached = False
+    config = None
 
-    def pytest_sessionfinish(self) -> None:
-        self.reached = True
+    def pytest_sessionfinish(self, session) -> None:  # noqa: ANN001 - pytest.Session
+        self.reached, self.config = True, session.config
+
+
+_DEFAULTS = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
+
+
+def _hold_signals() -> dict[int, Any]:
+    return {s: signal.signal(s, _hold) for s in _EARLY_SIGNALS}
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     """SIGTERM (a CI time limit, `timeout`) ends the run as Ctrl-C does: pytest stops, the
     gate says INCOMPLETE (exit 6) and the report is written, instead of a silent 143."""
     global _FIRST_TERM
-    _FIRST_TERM = time.monotonic()
-    signal.signal(signum, _again)
+    _RECEIVED.append(signal.Signals(signum).name)
+    if signum == signal.SIGTERM:
+        _FIRST_TERM = time.monotonic()
+        signal.signal(signum, _again)
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+# The signals _interrupt received in this run. Its KeyboardInterrupt can be swallowed: torch's
+# import clears any error raised while it imports NumPy (a SIGTERM 1 s into a run was lost
+# there and the run went on to exit 0); _stop_if_signalled ends such a run at the next step.
+_RECEIVED: list[str] = []
+
+
+def _stop_if_signalled() -> None:
+    if _RECEIVED:
+        raise KeyboardInterrupt(f"signal {_RECEIVED[0]}")
 
 
 # `timeout -s TERM` sends its signal twice, to the run and to its process group: the second,
@@ -93,30 +130,83 @@ def _run_guarded(argv: list[str]) -> int:
     """`mlacheck run` with SIGTERM handled as Ctrl-C from its first line to its report: under
     `timeout -s TERM` 3 of 8 runs exited 143, with no gate line, when the signal came before
     pytest started (imports, checks: ~2 s) or after it returned (the handler was installed
-    around pytest.main only)."""
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    stage: dict[str, object] = {}
+    around pytest.main only). One that came while the command line was read (_hold) counts
+    from here."""
+    _RECEIVED.clear()
+    _RECEIVED.extend(signal.Signals(s).name for s in _HELD)
+    _HELD.clear()
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
+    stage: dict[str, Any] = {}
     try:
-        return _main(argv, stage)
-    except KeyboardInterrupt:  # before pytest ran, or while the report was written
-        decided = stage.get("code")  # the gate's, when the report was being written
-        # a failure on record wins, as in session.outcome; otherwise the run is incomplete
-        code = decided if decided in (EXIT_KERNEL_FAILURE, EXIT_SUITE_ERROR) else EXIT_NOT_ENOUGH_RAN
-        print(f"mlacheck gate: exit {code} ({exit_meaning(code)})")
-        print("  INCOMPLETE: the run was interrupted (continue it with `mlacheck run --resume`)",
-              flush=True)
-        results = stage.get("results")
-        if stage.get("report") and not stage.get("reporting") and isinstance(results, Path) \
-                and results.exists():
-            from mlacheck.report import main as report_main
-
-            report_main([str(results), "-o", str(results.parent)])
-        return code
+        try:
+            _stop_if_signalled()
+            return _main(argv, stage)
+        except KeyboardInterrupt:  # before pytest ran, or while the report was written
+            return _interrupted(stage)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
-def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, object] | None = None
+def _interrupted(stage: dict[str, Any]) -> int:
+    """The gate of a run a signal ended outside pytest's session (which has its own): from
+    what is on record (a failure wins, as in session.outcome), else INCOMPLETE, exit 6. A run
+    that recorded nothing yet gets a run header saying what it meant to run, so its results
+    file and report say that nothing ran instead of there being none."""
+    from mlacheck.outcome import gate_lines
+    from mlacheck.session import RunRequest, outcome
+
+    results = stage.get("results")
+    results = results if isinstance(results, Path) else None
+    if results is not None and not stage.get("reporting"):
+        try:
+            _record_the_run_meant(stage, results)
+        except (OSError, ValueError) as e:  # the gate line still comes
+            print(f"mlacheck: warning: no run header written to {results}: {e}", file=sys.stderr)
+    request = stage.get("request")
+    request = request if isinstance(request, RunRequest) else RunRequest()
+    on_record = results if results is not None and results.exists() else []
+    out = outcome(on_record, request, interrupted=True, selection=str(stage.get("selection", "")))
+    decided = stage.get("code")  # the session's gate, when the signal came during the report
+    if decided in (EXIT_KERNEL_FAILURE, EXIT_SUITE_ERROR):  # a failure on record wins
+        out.code = decided
+    for line in gate_lines(out):
+        print(line)
+    sys.stdout.flush()
+    if stage.get("report") and not stage.get("reporting") and results is not None \
+            and results.exists():
+        from mlacheck.report import main as report_main
+
+        report_main([str(results), "-o", str(results.parent)])
+    return out.code
+
+
+def _record_the_run_meant(stage: dict[str, Any], results: Path) -> None:
+    """The run header pytest would have written, when this invocation wrote none yet: the
+    items the -k / -m selection surely keeps (under the backend names when resolved, else
+    as requested: a schema-1 header, which readers map by the verdicts' backend_spec)."""
+    import dataclasses
+
+    from mlacheck import results as results_file
+
+    if stage.get("fresh") and not stage.get("cleared"):  # what the run would have done next
+        results.unlink(missing_ok=True)
+    now = len(results_file.read_raw(results).headers) if results.exists() else 0
+    if now > stage.get("headers_before", 0):
+        return  # pytest wrote this run's header
+    request, matrix = stage["request"], stage.get("matrix")
+    names = dict(zip(request.backends, request.names, strict=False))
+    kept = () if stage.get("shard") else stage.get("kept", ())
+    header = results_file.new_header(
+        [(names.get(c.backend, c.backend), c.case_id) for c in kept], list(request.backends),
+        matrix.name if matrix is not None else str(request.matrix),
+        str(stage.get("device", request.device)))
+    if not request.names:
+        header = dataclasses.replace(header, schema=1)
+    results_file.append_line(results, header.to_line())
+
+
+def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, Any] | None = None
             ) -> int:
     """`stage`: how far the run got, for _run_guarded when a signal ends it early."""
     stage = {} if stage is None else stage
@@ -129,23 +219,44 @@ def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, object]
         check_output_file,
         resolve_device,
     )
+    from mlacheck.selection import selected_by
 
-    request = _request(args)  # every backend resolved before pytest starts: exit 2
-    backends, policy = request.backends, request.policy
     check_expression("-k", args.k)  # under xdist a bad one was an INTERNALERROR
     check_expression("-m", args.m)
     check_markers(args.m)  # an unknown one selected nothing: exit 5 with no word why
-    device = resolve_device(request.device)
+    stage["selection"] = selected_by(args.k, args.m)
+    request = _parsed_request(args)  # the options; backends resolved below (imports torch)
+    # what the run means to run, known before torch is imported: an interrupt from here on
+    # leaves a results file and a report that say what did not run
+    stage["request"] = request
+    results = check_output_file(args.results, "results file")
+    if args.junit:
+        check_output_file(args.junit, "JUnit XML file")
+    fresh = not (args.resume or args.append)
+    if fresh:
+        stage.update(results=results, fresh=True)
     matrix = load(request.matrix, request.seed)
+    stage["matrix"] = matrix
     shard = None
     if args.shard:
         from mlacheck import shard as shard_mod
 
         shard = shard_mod.parse(args.shard)
-    results = check_output_file(args.results, "results file")
-    stage["results"] = results
-    if args.junit:
-        check_output_file(args.junit, "JUnit XML file")
+        stage["shard"] = shard
+    if not fresh:  # the file is one mlacheck wrote (and, resumed, of this run) before it counts
+        results_file.check_resumable(results, "--resume" if args.resume else "--append")
+        if args.resume:
+            results_file.check_same_run(results, request.backends, matrix.name)
+        stage.update(results=results, fresh=False, headers_before=len(
+            results_file.read_raw(results).headers) if results.exists() else 0)
+    chosen = _selection(matrix, request.backends, args)
+    stage["kept"] = chosen.kept
+    request = _resolved(request)  # every backend resolved before pytest starts: exit 2
+    _stop_if_signalled()
+    stage["request"] = request
+    backends, policy = request.backends, request.policy
+    device = resolve_device(request.device)
+    stage["device"] = device
     unusable = _unusable(request)
     if unusable:  # a requested backend is required: the run does not start without it
         from mlacheck.session import outcome
@@ -153,21 +264,30 @@ def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, object]
         out = outcome([], request, unusable=unusable)
         for line in out.lines:
             print(f"mlacheck: not run: {line}", file=sys.stderr)
+        stage.pop("results")  # the file of an earlier run is left as it was
         return out.code
+    if chosen.surely_empty and not args.resume:  # pytest said so only after its workers started
+        from mlacheck.outcome import EXIT_NOTHING_COLLECTED
+        from mlacheck.selection import nothing_selected
+
+        n = len(request.backends)
+        why = nothing_selected(matrix.name, len(matrix.cases), n, len(matrix.cases) * n,
+                               args.k, args.m)
+        print(f"mlacheck gate: exit {EXIT_NOTHING_COLLECTED} "
+              f"({exit_meaning(EXIT_NOTHING_COLLECTED)}): {why}")
+        return EXIT_NOTHING_COLLECTED
     leave_out = None
     if args.resume:
-        results_file.check_resumable(results)
-        results_file.check_same_run(results, request.backends, matrix.name)
         results_file.repair_torn_tail(results)  # a record cut by the kill: its item runs again
         done = results_file.recorded_items(results)
         leave_out = results.with_name(f".{results.name}.done")
         leave_out.write_text("".join(f"{b}\t{c}\n" for b, c in sorted(done)))
         print(f"mlacheck: resuming {results}: {len(done)} item(s) already recorded", flush=True)
-    elif args.append:
-        results_file.check_resumable(results, "--append")
-    elif results.exists():
+    elif not args.append and results.exists():
         results.unlink()
-    workers = _workers(args.workers, device)
+    stage["cleared"] = True
+    extra, passed_workers = _take_worker_option(extra)
+    workers = _workers(passed_workers if passed_workers is not None else args.workers, device)
     argv = [
         _suite_path(), "-q", "-rfE", "--no-header",
         "-o", "console_output_style=progress", "-p", "no:cacheprovider",
@@ -182,7 +302,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, object]
         f"--mla-golden={request.golden}",
         f"--mla-results={results}", f"--timeout={args.timeout}",
         f"-n={workers}", f"--max-worker-restart={max(4, len(matrix.cases) * len(backends))}",
-        "--rootdir", str(Path.cwd()),
+        "--rootdir", str(Path.cwd()), "--mla-gate-by-caller",
     ]
     argv += _plugin_args()
     argv += [f"--mla-backend={b}" for b in backends]
@@ -211,10 +331,18 @@ def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, object]
           flush=True)
     import pytest
 
+    from mlacheck.outcome import gate_lines
+
     os.environ.setdefault("PYTHONHASHSEED", "0")
     end = _SessionEnd()
+    _stop_if_signalled()
     code = int(pytest.main(argv, plugins=[end]))
-    signal.signal(signal.SIGTERM, _interrupt)  # pytest's own handling may have reset it
+    if signal.getsignal(signal.SIGTERM) not in (_interrupt, _again):  # pytest's handling may
+        signal.signal(signal.SIGTERM, _interrupt)  # have reset it
+    # a signal during pytest's session: pytest stopped and its gate says INCOMPLETE; one it
+    # swallowed, or one before its session began (no run header yet): the same from here
+    _stop_if_signalled()
+    lines: list[str] = []
     if code == EXIT_PYTEST_USAGE:  # pytest said why (an extra argument): mlacheck's usage code
         code = EXIT_USAGE
     elif not end.reached:
@@ -223,17 +351,63 @@ def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, object]
         from mlacheck.session import outcome
 
         out = outcome(results, request, interrupted=code == PYTEST_INTERRUPTED,
-                      internal_error=code != PYTEST_INTERRUPTED)
-        code = out.code
-        print(f"mlacheck gate: exit {code} ({exit_meaning(code)})")
-        for line in out.lines:
-            print(f"  {line}")
+                      internal_error=code != PYTEST_INTERRUPTED,
+                      selection=str(stage["selection"]))
+        code, lines = out.code, gate_lines(out)
+    else:
+        from mlacheck.pytest_plugin import session_gate_lines
+
+        lines = session_gate_lines(end.config)
     if args.report and results.exists():
         from mlacheck.report import main as report_main
 
         stage.update(reporting=True, code=code)
         report_main([str(results), "-o", str(results.parent)])
+        stage["reporting"] = False
+    # the gate's lines last, after the report: a signal while the report was written
+    # changes them (exit 6) instead of adding a second, contrary gate line
+    for line in lines:
+        print(line)
     return code
+
+
+def _selection(matrix, backends, args: argparse.Namespace):  # noqa: ANN001, ANN202
+    """What -k / -m keep of the matrix's items (mlacheck.selection), before pytest starts."""
+    from mlacheck.selection import Candidate, select
+
+    return select([Candidate(b, mc.case.id, tuple(mc.markers)) for mc in matrix.cases
+                   for b in backends], args.k, args.m)
+
+
+def _take_worker_option(extra: list[str]) -> tuple[list[str], int | None]:
+    """`mlacheck run ... -- -n N` (or --numprocesses): taken out of pytest's arguments and
+    counted as `-n N`, so the cap on workers holds (passed through, it overrode the cap).
+    `auto` / `logical` mean the default."""
+    out: list[str] = []
+    found: str | None = None
+    i = 0
+    while i < len(extra):
+        a = extra[i]
+        for flag in ("--numprocesses", "-n"):
+            if a == flag and i + 1 < len(extra):
+                found, i = extra[i + 1], i + 2
+                break
+            if a.startswith(flag + "=") or (flag == "-n" and a.startswith("-n") and a != "-n"):
+                found, i = a[len(flag):].lstrip("="), i + 1
+                break
+        else:
+            out.append(a)
+            i += 1
+    if found is None or found in ("auto", "logical"):
+        return out, None
+    try:
+        n = int(found)
+    except ValueError:
+        raise UsageError(f"-- -n {found}: not a worker count (an integer, auto or logical)") \
+            from None
+    if n < 1:
+        raise UsageError(f"-- -n {found}: the run needs at least one worker")
+    return out, n
 
 
 def _unusable(request) -> dict[str, str]:  # noqa: ANN001 - mlacheck.session.RunRequest
@@ -249,9 +423,9 @@ def _unusable(request) -> dict[str, str]:  # noqa: ANN001 - mlacheck.session.Run
     return found
 
 
-def _request(args: argparse.Namespace):  # noqa: ANN202 - mlacheck.session.RunRequest
-    """The run's options, parsed and checked once, each backend resolved (exit 2 if not)."""
-    from mlacheck.backends.registry import DEFAULT_BACKENDS, resolve
+def _parsed_request(args: argparse.Namespace):  # noqa: ANN202 - mlacheck.session.RunRequest
+    """The run's options, parsed and checked once; backends as requested (not yet resolved)."""
+    from mlacheck.backends.registry import DEFAULT_BACKENDS
     from mlacheck.session import RunRequest
 
     return RunRequest.parse(
@@ -259,7 +433,14 @@ def _request(args: argparse.Namespace):  # noqa: ANN202 - mlacheck.session.RunRe
         device=args.device, golden=args.golden, seed=args.seed,
         require_ops=args.require_ops, min_executed=args.min_executed,
         allow_xpass=args.allow_xpass,
-    ).resolved(lambda b: resolve(b).name)
+    )
+
+
+def _resolved(request):  # noqa: ANN001, ANN202 - mlacheck.session.RunRequest
+    """Every backend resolved (imports it: torch; exit 2 if one does not exist)."""
+    from mlacheck.backends.registry import resolve
+
+    return request.resolved(lambda b: resolve(b).name)
 
 
 # Peak resident memory of one CPU worker over the premerge matrix (the largest decode case's
@@ -653,11 +834,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return _run_guarded(argv) if argv[:1] == ["run"] else _main(argv, {})
+    """`mlacheck` (the console script) and `python -m mlacheck.cli`. A SIGTERM / SIGINT from
+    here on is held until the command is known (before it: the interpreter's start and this
+    module's imports, ~0.1-0.2 s, where the signal's default action still applies)."""
+    previous = _hold_signals()
+    try:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if argv[:1] == ["run"]:
+            return _run_guarded(argv)  # an interrupted run: exit 6, its gate line and report
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, _DEFAULTS[signum] if handler is _hold else handler)
+    if _HELD:  # other commands: a held signal acts as it would have
+        signum = _HELD[0]
+        _HELD.clear()
+        signal.raise_signal(signum)
+    return _main(argv, {})
 
 
-def _main(argv: list[str], stage: dict[str, object]) -> int:
+def _main(argv: list[str], stage: dict[str, Any]) -> int:
     delegated = {"report": "mlacheck.report:main", "gate": "mlacheck.gate.cli:main",
                  "selftest": "mlacheck.selftest:main", "merge": "mlacheck.merge:main"}
     if argv and argv[0] in delegated:

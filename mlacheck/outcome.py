@@ -119,14 +119,17 @@ def decide(items: Sequence[Item], *, requested_backends: Sequence[str] = (),
            expected: Collection[tuple[str, str]] = (),
            policy: CoveragePolicy = CoveragePolicy(),
            unusable: Mapping[str, str] | None = None,
-           incomplete: Sequence[str] = ()) -> Outcome:
+           incomplete: Sequence[str] = (), selection: str = "") -> Outcome:
     """The exit code and its reasons. `items`: one per (backend, case), latest verdict;
     `expected`: the (backend name, case id) items the run(s) meant to run (empty: unknown).
     Missing is a set difference, not a count: verdicts for items outside `expected` (from
     another run over the same file) must not stand in for missing ones. `unusable`: required
     backends that are not usable here, with why (the run did not start them); `incomplete`:
     why the results do not cover the whole run beyond missing items (a shard of a split run
-    missing or from another run: mlacheck.shard.join). Each is not enough ran (6)."""
+    missing or from another run: mlacheck.shard.join). Each is not enough ran (6).
+    `selection`: the -k / -m options of the run ('' if none), named when a requested backend
+    has no item in `expected` (the selection left it none: exit 6 said only "executed no
+    case")."""
     counts = Counter(it.bucket for it in items)
     cov = coverage_table(items)
     lines: list[str] = []
@@ -153,10 +156,14 @@ def decide(items: Sequence[Item], *, requested_backends: Sequence[str] = (),
         by_backend[b].skipped += c.skipped
         by_backend[b].reasons.update(c.reasons)
     short: list[str] = []
+    expected_backends = {b for b, _ in expected}
     for b in dict.fromkeys([*requested_backends, *by_backend]):
         c = by_backend.get(b)
         if c is None or c.executed == 0:
             why = "; ".join(f"{r} ({n})" for r, n in c.reasons.most_common(TOP_SKIP_REASONS)) if c else ""
+            if c is None and expected_backends and b not in expected_backends:
+                why = (f"{selection} selected none of its items" if selection
+                       else "none of its items was selected")
             short.append(f"backend {b} executed no case" + (f": {why}" if why else ""))
     ops = sorted({op for _, op in cov})
     for op in policy.require_ops:
@@ -212,6 +219,13 @@ EXIT_MEANINGS: dict[int, tuple[str, str]] = {
                           "internal error of the test driver (no verdict on the run)"),
 }
 _UNKNOWN = ("ERROR", "pytest error")
+
+
+def gate_lines(out: Outcome, why: str = "") -> list[str]:
+    """The gate's code and its reasons as the terminal shows them at the end of a run (one
+    `mlacheck gate:` line, then a line per reason); `why`: on the gate line itself."""
+    head = f"mlacheck gate: exit {out.code} ({exit_meaning(out.code)})" + (f": {why}" if why else "")
+    return [head, *(f"  {line}" for line in out.lines)]
 
 
 def exit_meaning(code: int) -> str:

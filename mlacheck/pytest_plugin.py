@@ -54,7 +54,9 @@ class MatrixItem:
 
     @property
     def id(self) -> str:
-        return f"{self.backend}-{self.case.id}"
+        from mlacheck.selection import item_id
+
+        return item_id(self.backend, self.case.id)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -77,6 +79,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="least executed (not skipped) fraction per backend x op, 0..1 (default 0)")
     g.addoption("--mla-allow-xpass", action="store_true",
                 help="a known failure that passes does not fail the run (default: it does)")
+    g.addoption("--mla-gate-by-caller", action="store_true",
+                help="print no gate lines: the caller prints them (mlacheck run: after its "
+                     "report, so that a signal during the report changes the one gate line)")
     g.addoption("--mla-shard", default=None,
                 help="K/N: run only the K-th of N shards of the selection (mlacheck.shard)")
 
@@ -372,23 +377,13 @@ class _State:
 
     def why_nothing_selected(self) -> str:
         """Why a run selected no item: the matrix, --resume and -k / -m each take their part."""
-        backends = len(self.backend_names)
-        total = self.matrix_cases * backends
-        if not total:
-            return f"matrix {self.matrix_name} has no cases"
-        parts = [f"matrix {self.matrix_name}: {self.matrix_cases} case(s) x {backends} "
-                 f"backend(s) = {total} item(s)"]
-        left = len(self.items())
-        if total > left:
-            parts.append(f"{total - left} already have a verdict (--resume)")
-        if left:
-            opt = self.config.option
-            how = [f"{flag} {expr!r}" for flag, expr in (("-k", getattr(opt, "keyword", "")),
-                                                          ("-m", getattr(opt, "markexpr", "")))
-                   if expr]
-            parts.append(f"{'all ' if left == total else 'the other '}{left} deselected by "
-                         + (" and ".join(how) or "the command line"))
-        return "; ".join(parts)
+        from mlacheck.selection import nothing_selected
+
+        opt = self.config.option
+        left = len(self.items())  # loads the matrix
+        return nothing_selected(self.matrix_name, self.matrix_cases, len(self.backend_names),
+                                left, getattr(opt, "keyword", ""),
+                                getattr(opt, "markexpr", ""))
 
     def recorded_ids(self) -> set[tuple[str, str]]:
         return results_file.recorded_items(self.results)
@@ -664,30 +659,48 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from mlacheck.session import outcome
 
     internal = exitstatus == pytest.ExitCode.INTERNAL_ERROR  # no verdict on the run: exit 7
+    from mlacheck.selection import selected_by
+
+    opt = config.option
     state.outcome = out = outcome(state.results, RunRequest() if internal else state.request,
                                   interrupted=exitstatus == pytest.ExitCode.INTERRUPTED,
-                                  internal_error=internal)
+                                  internal_error=internal,
+                                  selection=selected_by(getattr(opt, "keyword", ""),
+                                                        getattr(opt, "markexpr", "")))
     session.exitstatus = out.code
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    from mlacheck.outcome import EXIT_NOTHING_COLLECTED, coverage_lines, exit_meaning
+    from mlacheck.outcome import EXIT_NOTHING_COLLECTED, coverage_lines
 
     out = config.stash[_STATE].outcome
     if out is None:
         return
     tr = terminalreporter
-    if out.code == EXIT_NOTHING_COLLECTED:
-        tr.write_line(f"mlacheck gate: exit {out.code} ({exit_meaning(out.code)}): "
-                      f"{config.stash[_STATE].why_nothing_selected()}", bold=True, red=True)
+    if out.code != EXIT_NOTHING_COLLECTED and out.coverage:
+        tr.section("mlacheck coverage (per backend x op)")
+        for line in coverage_lines(out.coverage):
+            tr.write_line(line)
+    if config.getoption("--mla-gate-by-caller"):
         return
-    tr.section("mlacheck coverage (per backend x op)")
-    for line in coverage_lines(out.coverage):
+    head, *reasons = session_gate_lines(config)
+    tr.write_line(head, bold=True, red=out.code != 0, green=out.code == 0)
+    for line in reasons:
         tr.write_line(line)
-    tr.write_line(f"mlacheck gate: exit {out.code} ({exit_meaning(out.code)})", bold=True,
-                  red=out.code != 0, green=out.code == 0)
-    for line in out.lines:
-        tr.write_line(f"  {line}")
+
+
+def session_gate_lines(config: pytest.Config | None) -> list[str]:
+    """The gate's lines of a finished session ([] when it has no gate: a usage error); a run
+    that selected nothing says what left nothing."""
+    from mlacheck.outcome import EXIT_NOTHING_COLLECTED, gate_lines
+
+    state = config.stash.get(_STATE, None) if config is not None else None
+    out = state.outcome if state is not None else None
+    if out is None:
+        return []
+    if out.code == EXIT_NOTHING_COLLECTED:
+        return gate_lines(out, state.why_nothing_selected())
+    return gate_lines(out)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -128,12 +128,13 @@ Results = str | Path | Sequence[str | Path] | Sequence[Verdict]
 
 def outcome(results: Results, request: RunRequest, interrupted: bool = False,
             internal_error: bool = False, *, unusable: Mapping[str, str] | None = None,
-            incomplete: Sequence[str] = ()) -> Outcome:
+            incomplete: Sequence[str] = (), selection: str = "") -> Outcome:
     """The exit code of a run and why, from everything its results hold (lines from before a
     `--resume` included). `unusable`: required backends not usable here, {name: why}: the
     run did not start, so they are its only reasons (6). `incomplete`: why the results are
     not the whole run beyond missing items (a shard of a split run missing or from another
-    run: mlacheck.shard.join; 6 unless a failure on record wins)."""
+    run: mlacheck.shard.join; 6 unless a failure on record wins). `selection`: the run's -k /
+    -m ('' if none), named when it left a requested backend no item."""
     if unusable:
         return decide([], unusable=unusable)
     items, expected, files = _counted(results)
@@ -143,7 +144,7 @@ def outcome(results: Results, request: RunRequest, interrupted: bool = False,
     if files and not (items or expected or interrupted or incomplete):  # a run that selected nothing
         return Outcome(EXIT_NOTHING_COLLECTED, [], {}, _counts(items), 0, 0)
     out = decide(items, requested_backends=request.backend_names, expected=expected,
-                 policy=request.policy, incomplete=incomplete)
+                 policy=request.policy, incomplete=incomplete, selection=selection)
     if interrupted:
         # what ran still counts (a failure wins), but the run is incomplete whatever it holds
         if out.code not in (EXIT_KERNEL_FAILURE, EXIT_SUITE_ERROR):

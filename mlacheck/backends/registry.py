@@ -9,8 +9,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
 
-from mlacheck.backends.base import Backend
+if TYPE_CHECKING:  # the names and their lookup need no torch (`mlacheck run` reads them first)
+    from mlacheck.backends.base import Backend
 
 ENTRY_POINT_GROUP = "mlacheck.backends"
 

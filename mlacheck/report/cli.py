@@ -50,9 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         loaded = read_results(path)
     except OSError as e:
         return _fail(f"cannot read {path}: {e.strerror or e}")
-    if not loaded.verdicts:
+    if not loaded.verdicts and not loaded.headers:
         why = f"all {loaded.skipped} line(s) unparsable" if loaded.skipped else "empty file"
         return _fail(f"no verdicts in {path} ({why})")
+    # a run header and no verdict: a run interrupted before its first item ended; its report
+    # says what was to run and that nothing did (INCOMPLETE: 0 of N), as its gate does
     if loaded.skipped:
         print(
             f"mlacheck report: warning: {skipped_message(path, loaded.bad_lines)}", file=sys.stderr

@@ -257,6 +257,45 @@ def test_an_explicit_worker_count_is_capped_at_what_cores_and_memory_allow(monke
     assert "capped to 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("passed", [["-n", "1000"], ["-n1000"], ["-n=1000"],
+                                    ["--numprocesses", "1000"], ["--numprocesses=1000"]])
+def test_a_worker_count_passed_through_to_pytest_is_capped_too(
+        passed: list[str], tmp_path, monkeypatch, capsys) -> None:  # noqa: ANN001
+    """`mlacheck run ... -- -n 1000` reached pytest after mlacheck's own `-n=2` and won: the
+    cap on workers did not hold."""
+    from mlacheck import cli, preflight
+
+    monkeypatch.setattr(preflight, "gpu_count", lambda: 0)
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(cli, "_available_gib", lambda: 23.0)
+    monkeypatch.setattr(cli, "_unusable", lambda request: {})
+    seen: list[list[str]] = []
+
+    def fake_pytest(argv: list[str], plugins: list) -> int:
+        seen.append(argv)
+        plugins[0].reached = True  # its session ended (no gate: no config)
+        return 0
+
+    monkeypatch.setattr(pytest, "main", fake_pytest)
+    rc = cli.main(["run", "-b", "torch", "--matrix", "smoke", "--device", "cpu", "--no-report",
+                   "--results", str(tmp_path / "r.jsonl"), "--", "-x", *passed])
+    assert rc == 0 and len(seen) == 1
+    workers = [a for a in seen[0] if a.startswith(("-n", "--numprocesses"))]
+    assert workers == ["-n=2"] and "1000" not in seen[0] and "-x" in seen[0], seen[0]
+    assert "warning: -n 1000 capped to 2" in capsys.readouterr().err
+
+
+def test_a_passed_through_worker_count_that_is_not_one_is_a_usage_error(tmp_path, capsys) -> None:  # noqa: ANN001
+    from mlacheck import cli
+
+    assert cli._take_worker_option(["-n", "auto", "-q"]) == (["-q"], None)  # the default
+    rc = cli.main(["run", "-b", "torch", "--matrix", "smoke", "--device", "cpu", "--no-report",
+                   "--results", str(tmp_path / "r.jsonl"), "--", "-n", "many"])
+    assert rc == 2
+    assert capsys.readouterr().err.strip() == (
+        "mlacheck: error: -- -n many: not a worker count (an integer, auto or logical)")
+
+
 @pytest.mark.parametrize(("platform", "env", "expected"), [
     ("cuda", {}, 4),
     ("cuda", {"CUDA_VISIBLE_DEVICES": "0"}, 1),

@@ -180,6 +180,57 @@ def test_backend_that_cannot_run_anything_and_empty_selection(tiny: Path, tmp_pa
     assert "all 2 deselected by -m 'large_kv'" in r.stdout
 
 
+def test_an_empty_selection_is_found_before_pytest_starts(
+        tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`-k nosuchcase` was exit 5 only after pytest and its workers had started (6-10 s idle,
+    55-74 s under load; issue 33): the CLI knows the items from the matrix and evaluates -k /
+    -m on them as pytest does. Exit 5 and the gate's line, as before, and no pytest."""
+    from mlacheck import cli
+
+    monkeypatch.setattr(pytest, "main", lambda argv, plugins: pytest.fail("pytest started"))
+    for args, how in ((["-k", "nosuchcase"], "-k 'nosuchcase'"),
+                      (["-k", "dec", "-m", "multiseg"], "-k 'dec' and -m 'multiseg'")):
+        rc = cli.main(["run", "-b", "torch", "--matrix", str(tiny), "--results",
+                       str(tmp_path / "r.jsonl"), *args])
+        out = capsys.readouterr().out
+        assert rc == outcome.EXIT_NOTHING_COLLECTED, out
+        assert out == ("mlacheck gate: exit 5 (nothing selected to run): matrix tiny: 2 case(s) "
+                       f"x 1 backend(s) = 2 item(s); all 2 deselected by {how}\n")
+
+
+def test_selection_is_evaluated_as_pytest_evaluates_it() -> None:
+    """-k: a substring of the item's name, its parents' names or its markers, any case; -m:
+    its markers. A name only some rootdirs give the item's parents leaves the item to pytest."""
+    from mlacheck.selection import Candidate, select
+
+    dec = Candidate("torch", "dec-b1-kv70-h16-aaaa", ("persistent",))
+    pf = Candidate("aiter", "pf-s2-q44-bbbb", ("multiseg",))
+    for k, m, kept, dropped in (("dec", None, [dec], [pf]), ("DEC or Multiseg", None, [dec, pf], []),
+                                ("torch and not pf", None, [dec], [pf]), (None, "multiseg", [pf], [dec]),
+                                ("test_mla.py", None, [dec, pf], []), ("nothing", None, [], [dec, pf]),
+                                ("xdist_group and kv70", None, [dec], [pf])):
+        got = select([dec, pf], k, m)
+        assert (got.kept, got.dropped, got.undecided) == (kept, dropped, []), (k, m)
+    here = Path(__file__).resolve().parent.name  # a directory above the suite: rootdir-dependent
+    assert select([dec], f"not {here}", None, suite_file=Path(__file__)).undecided == [dec]
+
+
+def test_exit_6_after_the_selection_removed_every_item_of_a_backend_names_it(
+        tiny: Path, tmp_path: Path) -> None:
+    """`-k` that left a requested backend no item ended in exit 6 saying only "backend X
+    executed no case" (issue 33)."""
+    got = decide(items(PASS, backend="torch"), requested_backends=["torch", "aiter"],
+                 expected={("torch", "c0")}, selection="-k 'torch'")
+    assert got.code == outcome.EXIT_NOT_ENOUGH_RAN
+    assert got.lines == ["backend aiter executed no case: -k 'torch' selected none of its items"]
+    r = run("run", "-b", "torch,torch-split", "--matrix", str(tiny), "--results",
+            str(tmp_path / "r.jsonl"), "--no-report", "-k", "not split", "-n", "1")
+    assert r.returncode == outcome.EXIT_NOT_ENOUGH_RAN, r.stdout[-2000:] + r.stderr[-2000:]
+    assert ("backend torch-split executed no case: -k 'not split' selected none of its items"
+            in r.stdout), r.stdout[-2000:]
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--device", "cuda"], "requested but torch"),
     (["--device", "tpu"], "unknown device 'tpu'"),
@@ -379,6 +430,142 @@ def test_the_duplicate_sigterm_of_timeout_does_not_kill_the_run() -> None:
         handler(signal.SIGTERM, None)  # the duplicate: ignored, the run goes on to its gate
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _signal_run(tiny: Path, res: Path, monkeypatch: pytest.MonkeyPatch, where: str,
+                swallow: bool = False) -> int:
+    """`mlacheck run` in this process, a SIGTERM delivered (through the handler installed at
+    that moment) while `where` (a cli function) runs; pytest itself never starts."""
+    from mlacheck import cli
+
+    started: list[list[str]] = []
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    monkeypatch.setattr(cli, "_unusable", lambda request: {})
+    monkeypatch.setattr(pytest, "main", lambda argv, plugins: started.append(argv) or 0)
+    inner = getattr(cli, where)
+
+    def signalled(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler), f"SIGTERM would end the run with 143: {handler!r}"
+        try:
+            handler(signal.SIGTERM, None)
+        except KeyboardInterrupt:
+            if not swallow:
+                raise
+        return inner(*a, **k)
+
+    monkeypatch.setattr(cli, where, signalled)
+    rc = cli.main(["run", "-b", "torch", "--matrix", str(tiny), "--results", str(res), "-n", "1"])
+    assert not started, "pytest started after the signal"
+    return rc
+
+
+def test_an_interrupt_before_any_result_leaves_results_and_a_report_saying_nothing_ran(
+        tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A SIGTERM before pytest wrote its run header (the first ~5 s of a run: imports, torch,
+    workers starting) gave exit 6 and the gate line but no results file and no report
+    (issue 33). Now the header says what was to run, and the report that none of it did."""
+    res = tmp_path / "r.jsonl"
+    res.write_text(_header(("torch", "old")) + "\n" + _verdict("torch", "old") + "\n")
+    rc = _signal_run(tiny, res, monkeypatch, "_resolved")  # while torch is imported
+    out = capsys.readouterr().out
+    assert rc == outcome.EXIT_NOT_ENOUGH_RAN, out
+    assert out.count("mlacheck gate:") == 1 and "INCOMPLETE: 0 of 2 items have a verdict" in out
+    raw = __import__("mlacheck.results", fromlist=["read_raw"]).read_raw(res)
+    assert not raw.records and len(raw.headers) == 1  # the earlier run's file was replaced
+    assert len(raw.expected) == 2
+    assert "INCOMPLETE: 0 of 2 items have a verdict" in (tmp_path / "report.md").read_text()
+    assert "INCOMPLETE: 0 of 2 items" in (tmp_path / "report.html").read_text()
+
+
+def test_a_sigterm_whose_interrupt_was_swallowed_still_ends_the_run(
+        tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """torch's import clears any error raised while it imports NumPy: a SIGTERM 1 s into a
+    real run raised its KeyboardInterrupt there, was lost, and the run went on to exit 0."""
+    rc = _signal_run(tiny, tmp_path / "r.jsonl", monkeypatch, "_resolved", swallow=True)
+    out = capsys.readouterr().out
+    assert rc == outcome.EXIT_NOT_ENOUGH_RAN, out
+    assert "INCOMPLETE: the run was interrupted" in out
+
+
+def test_a_signal_held_while_the_command_line_is_read_ends_the_run(
+        tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """main() holds SIGTERM from its first line (the console script's first of mlacheck's):
+    one that comes before the command is known ends the run as any other, exit 6."""
+    from mlacheck import cli
+
+    monkeypatch.setattr(pytest, "main", lambda argv, plugins: pytest.fail("pytest started"))
+    real = cli._hold_signals
+
+    def hold_then_signal() -> dict:
+        previous = real()
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered to the handler main() installed
+        return previous
+
+    monkeypatch.setattr(cli, "_hold_signals", hold_then_signal)
+    before = signal.getsignal(signal.SIGTERM)
+    rc = cli.main(["run", "-b", "torch", "--matrix", str(tiny), "--results",
+                   str(tmp_path / "r.jsonl")])
+    out = capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) == before  # restored
+    assert rc == outcome.EXIT_NOT_ENOUGH_RAN and out.count("mlacheck gate: exit 6") == 1, out
+
+
+def test_a_signal_while_the_report_is_written_gives_one_gate_line(
+        tiny: Path, tmp_path: Path) -> None:
+    """The plugin printed `mlacheck gate: exit 0`, then a SIGTERM while the report was being
+    written printed `mlacheck gate: exit 6` too: two contrary gate lines (issue 33). The gate's
+    lines now come after the report, once."""
+    res = tmp_path / "r.jsonl"
+    script = (
+        "import os, signal, sys, mlacheck.report as r\n"
+        "real = r.main\n"
+        "def signalled(argv):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real(argv)\n"
+        "r.main = signalled\n"
+        "from mlacheck.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    env = {**clean_env(), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-c", script, "run", "-b", "torch", "--matrix",
+                        str(tiny), "--results", str(res), "-n", "1"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == outcome.EXIT_NOT_ENOUGH_RAN, r.stdout[-3000:] + r.stderr[-2000:]
+    assert r.stdout.count("mlacheck gate:") == 1, r.stdout[-3000:]
+    assert "INCOMPLETE: the run was interrupted" in r.stdout
+    assert r.stdout.rstrip().splitlines()[-1].startswith("  INCOMPLETE: the run was interrupted")
+
+
+# `timeout -s TERM T` times over a run of the tiny matrix (~8 s alone on 2 cores): while
+# imports and checks run, while pytest and its worker start, while items run, and after.
+TIMEOUT_SWEEP_S = (1.0, 2.5, 4.0, 6.0)
+
+
+def test_sigterm_from_timeout_at_several_moments_is_exit_6_never_143(
+        tiny: Path, tmp_path: Path) -> None:
+    """The real `timeout --preserve-status -s TERM T mlacheck run ...` (issue 33: 3 of 8 such
+    runs exited 143, with no gate line or report). Each T ends with exit 6 and one gate line
+    saying INCOMPLETE, and (past the first second, when the results path is known) a report;
+    or, where the run finished first, with its own code."""
+    seen = []
+    for t in TIMEOUT_SWEEP_S:
+        res = tmp_path / f"t{t:g}" / "r.jsonl"
+        r = subprocess.run(
+            ["timeout", "--preserve-status", "-s", "TERM", f"{t:g}", sys.executable, "-m",
+             "mlacheck.cli", "run", "-b", "torch", "--matrix", str(tiny), "--results", str(res),
+             "-n", "1"], capture_output=True, text=True, env=clean_env(), timeout=300)
+        seen.append((t, r.returncode))
+        why = f"T={t:g} s: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-2000:]}"
+        assert r.returncode in (outcome.EXIT_NOT_ENOUGH_RAN, outcome.EXIT_OK), why
+        assert r.stdout.count("mlacheck gate:") == 1, why
+        if r.returncode == outcome.EXIT_NOT_ENOUGH_RAN:
+            assert "INCOMPLETE: the run was interrupted" in r.stdout, why
+            if t >= 2.5:
+                assert (res.parent / "report.md").exists(), why
+    assert any(code == outcome.EXIT_NOT_ENOUGH_RAN for _, code in seen), seen
 
 
 def test_a_bad_k_or_m_expression_is_a_usage_error(tiny: Path, tmp_path: Path) -> None:
