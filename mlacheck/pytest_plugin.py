@@ -133,6 +133,13 @@ def _quiet_xdist_status(config: pytest.Config) -> None:
     trdist = config.pluginmanager.get_plugin("terminaldistreporter")
     if trdist is not None:
         trdist.ensure_show_status = lambda: None
+        # its other line, "[gw0] node down: ...": mlacheck's own line says it (worker_died)
+        trdist.write_line = lambda msg: None
+    dsession = config.pluginmanager.get_plugin("dsession")
+    if dsession is not None:  # "replacing crashed worker gw0" too; other lines stay
+        said = dsession.report_line
+        dsession.report_line = lambda line: (
+            None if line.strip().startswith("replacing crashed worker") else said(line))
 
 
 def is_worker(config: pytest.Config) -> bool:
@@ -208,6 +215,7 @@ class _State:
         self.matrix_name, self.matrix_cases = "", 0  # set by items()
         self.matrix_case_ids: list[str] = []
         self.gpu_dir: Path | None = None  # controller: where workers publish their GPU
+        self.nodes_down: dict[str, str] = {}  # controller: worker id -> why xdist lost it
         self._matrix: Any = None
         self._started = time.time()  # this session's start (pytest_sessionstart resets it)
 
@@ -534,13 +542,19 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     it = state.item_of(report.nodeid)
     if it is None:
         return
+    gateway = getattr(getattr(report, "node", None), "gateway", None)
     if hasattr(report, "node"):
         del report.node  # only the banner reads it
-    if report.when == "???" and report.failed and (
-            it.backend, it.case.id) not in state.recorded_ids():
-        msg = str(report.longrepr).strip().splitlines()
-        reason = "worker crashed: " + (msg[0] if msg else "no output")
-        state.write(_crash_record(state, it, reason, report.nodeid))
+    if report.when == "???" and report.failed:  # its worker died under it
+        line, reason = worker_died(state, it, str(getattr(gateway, "id", "") or ""))
+        report.longrepr = line  # the failure card: the same one line
+        if (it.backend, it.case.id) not in state.recorded_ids():
+            state.write(_crash_record(state, it, reason, report.nodeid))
+        tr = config.pluginmanager.get_plugin("terminalreporter")
+        if tr is not None:
+            if getattr(tr, "_width_of_current_line", 0):  # after pytest's dots
+                tr.write("\n")
+            tr.write_line(line)
     finished = report.when in ("call", "???") or (report.when == "setup" and not report.passed)
     if finished:
         line = state.progress().record(it.backend, it.case.op, _progress_outcome(report))
@@ -579,6 +593,49 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         state._started = time.time()
     if not is_worker(session.config) and _runs_the_suite(session.config):
         _quiet_xdist_status(session.config)
+    if is_worker(session.config) and state is not None:
+        _fault_dumps_to_file(state, str(session.config.workerinput.get("workerid", "")))  # type: ignore[attr-defined]
+
+
+# A worker's open fault-dump file (faulthandler writes to its descriptor when the process dies).
+_FAULT_FILE: list[Any] = []
+
+
+def fault_file(results: Path, worker: str) -> Path:
+    """Where worker `worker` of a run writing `results` dumps its threads' stacks if it dies
+    of a fatal error (a segfault or abort in a kernel)."""
+    return results.with_name(f"{results.name}.{worker}.faults")
+
+
+def _fault_dumps_to_file(state: _State, worker: str) -> None:
+    """A worker that dies of a fatal error printed ~60 lines (every thread's stack, the loaded
+    extension modules) into the run's output; they go to fault_file instead, and the
+    controller's one line (worker_died) names it."""
+    if not worker or state.results is None or not state.config.getoption("--mla-results"):
+        return
+    import faulthandler
+
+    try:
+        f = open(fault_file(state.results, worker), "w")  # noqa: SIM115 - open until the end
+    except OSError:
+        return
+    faulthandler.enable(file=f, all_threads=True)
+    _FAULT_FILE[:] = [f]
+
+
+def worker_died(state: _State, item: MatrixItem, worker: str) -> tuple[str, str]:
+    """(the terminal's line, the CRASH verdict's reason) for an item whose worker died under
+    it: xdist said it in three places ("[gw0] node down: ...", "replacing crashed worker gw0",
+    a failure card), with the worker's ~60-line fault dump between the progress dots."""
+    how = state.nodes_down.get(worker, "")
+    reason = f"worker crashed: {worker or 'a worker'} died while running it" + (
+        f" ({how})" if how else "")
+    dump = fault_file(state.results, worker) if state.results is not None and worker else None
+    where = (f"; its fatal-error stacks: {dump}" if dump is not None and dump.exists()
+             and dump.stat().st_size else "")
+    line = (f"mlacheck: worker {worker or '?'} died" + (f" ({how})" if how else "")
+            + f" while running {item.backend} {item.case.id}: CRASH{where}")
+    return line, reason
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselected theirs
@@ -609,6 +666,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 class _XdistHooks:
     """The xdist controller collects nothing itself: it learns the selection from a worker."""
+
+    @staticmethod
+    def pytest_testnodedown(node: Any, error: object) -> None:
+        """Why a worker went down ("Not properly terminated"), for worker_died's line."""
+        config = _CONFIG.get("config")
+        if error and config is not None and _STATE in config.stash:
+            config.stash[_STATE].nodes_down[str(node.gateway.id)] = str(error)
 
     @staticmethod
     def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
@@ -712,6 +776,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if state is not None and state.temporary_results and not is_worker(config):
         state.results.unlink(missing_ok=True)
         os.environ.pop(_PRIVATE_RESULTS_ENV, None)
+    if state is not None and state.results is not None and not is_worker(config):
+        for dump in state.results.parent.glob(fault_file(state.results, "*").name):
+            if not dump.stat().st_size:  # the workers that did not die: nothing to keep
+                dump.unlink(missing_ok=True)
 
 
 def _crash_record(state: _State, item: MatrixItem, reason: str, nodeid: str) -> dict[str, Any]:

@@ -100,6 +100,19 @@ def test_abort_is_one_crash_and_every_other_case_reported(tiny: Path, tmp_path: 
     assert len(crashed) == 1 and crashed[0]["case"]["num_heads"] == 12
     assert "crashed" in crashed[0]["reason"]
     assert sorted(x["status"] for x in recs) == ["CRASH", "PASS", "PASS"], by_heads
+    # issue 33: one line says it (which worker, which item, the verdict), where xdist said it
+    # three times and the worker's fault dump put ~60 lines of thread stacks into the output
+    said = [line for line in r.stdout.splitlines() if "died" in line]
+    dump = tmp_path / "results.jsonl.gw0.faults"
+    assert said[0] == (f"mlacheck: worker gw0 died (Not properly terminated) while running "
+                       f"bad_backends:abort_on_heads {crashed[0]['case_id']}: CRASH; its "
+                       f"fatal-error stacks: {dump}"), r.stdout
+    assert said[1:] == said[:1]  # and its failure card
+    out = r.stdout + r.stderr
+    for noise in ("Fatal Python error", "node down", "replacing crashed worker", "Thread 0x"):
+        assert noise not in out, out[-3000:]
+    assert "Fatal Python error: Aborted" in dump.read_text()
+    assert [p.name for p in tmp_path.glob("*.faults")] == [dump.name]  # the others' were empty
 
 
 @pytest.mark.parametrize(
