@@ -29,6 +29,16 @@ WIDE_PAGE_ID_BITS: tuple[int, ...] = (15, 16)
 # bf16 bound; measured with fault:narrow-accumulation on a 16-head decode (docs/detection.md).
 NARROW_ACCUMULATION_KV = 4096
 
+
+def kv_edges(lo: int, hi: int) -> tuple[int, ...]:
+    """The kv lengths in [lo, hi] where the length classes below turn: a tile multiple and
+    one either side (TILE_SIZES), the narrow-accumulation length, each long length and one
+    past it (LONG_KV). The Hypothesis strategies draw these before any other length, so a
+    search bounded past one of them meets it."""
+    edges = {n for m in TILE_SIZES for n in (m - 1, m, m + 1)}
+    edges |= {NARROW_ACCUMULATION_KV, *LONG_KV, *(n + 1 for n in LONG_KV)}
+    return tuple(sorted(n for n in edges if lo <= n <= hi))
+
 DECODE, PREFILL, SPARSE, PAGED = Op.DECODE, Op.PREFILL, Op.SPARSE_DECODE, Op.PAGED_PREFILL
 
 

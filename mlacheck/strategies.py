@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from hypothesis import strategies as st
 
 from mlacheck import layouts as kv_layouts
-from mlacheck.boundaries import LONG_KV, TILE_SIZES
+from mlacheck.boundaries import LONG_KV, kv_edges
 from mlacheck.spec import (
     DEEPSEEK_V3,
     NO_YARN,
@@ -124,20 +124,14 @@ def _quant_and_profile(
     return draw(st.sampled_from(allowed)), profile
 
 
-def _boundary_lengths(lo: int, hi: int) -> tuple[int, ...]:
-    """Tile-boundary lengths (a multiple of a tile, one below, one above) in [lo, hi]:
-    the shapes of mlacheck.boundaries, drawn before any other length."""
-    near = {n for m in TILE_SIZES for n in (m - 1, m, m + 1)}
-    return tuple(sorted(n for n in near if lo <= n <= hi))
-
-
 def _length(lo: int, hi: int, long: Sequence[int] = ()) -> st.SearchStrategy[int]:
     """A length in [lo, hi], or one of `long` (the opt-in long-kv lengths): the boundary
     branches first (Hypothesis shrinks toward the first branch), then anywhere; each branch
-    is drawn equally often. The tile-boundary branch starts at `lo`, so a failure that
+    is drawn equally often. The boundary branch (mlacheck.boundaries.kv_edges: tile edges,
+    the narrow-accumulation and long lengths) starts at `lo`, so a failure that
     needs no boundary still shrinks to the shortest length (not to a long one), and one that
     needs a boundary keeps the smallest that fails."""
-    near = st.sampled_from((lo, *_boundary_lengths(lo + 1, hi)))
+    near = st.sampled_from((lo, *kv_edges(lo + 1, hi)))
     return st.one_of(near, *([st.sampled_from(tuple(long))] if long else []),
                      st.integers(lo, hi))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from mlacheck import strategies as S
-from mlacheck.boundaries import TILE_SIZES
+from mlacheck.boundaries import LONG_KV, NARROW_ACCUMULATION_KV, TILE_SIZES, kv_edges
 from mlacheck.spec import Case, DecodeCase, Placement, Quant, Request
 
 BF16 = (Quant("bf16", "bf16"),)
@@ -32,11 +32,13 @@ def decode_bf16() -> st.SearchStrategy[Case]:
 
 
 def decode_fp16() -> st.SearchStrategy[Case]:
-    """fp16 first (a small systematic error shows at its roundoff), then bf16; kv past one
-    64-key tile (the partial-precision faults narrow every other tile)."""
-    return S.decode_cases(max_batch=2, max_q_len=1, max_kv=MAX_KV, head_counts=(16,),
-                          quants=(Quant("fp16", "fp16"), *BF16), page_sizes=(16,),
-                          placements=SHUFFLED)
+    """fp16 first (a small systematic error shows at its roundoff), then bf16; kv lengths up
+    to the narrow-accumulation length, the catalogue's edges first (boundaries.kv_edges: the
+    partial-precision faults narrow every other 64-key tile; a narrow accumulator's loss grows
+    with kv: an fp16 one passes a 16-head fp16 decode at 160 keys and fails it from 512)."""
+    return S.decode_cases(max_batch=2, max_q_len=1, max_kv=NARROW_ACCUMULATION_KV,
+                          head_counts=(16,), quants=(Quant("fp16", "fp16"), *BF16),
+                          page_sizes=(16,), placements=SHUFFLED)
 
 
 def decode_paged() -> st.SearchStrategy[Case]:
@@ -145,11 +147,27 @@ def decode_long_kv() -> st.SearchStrategy[Case]:
     return _long_kv()
 
 
+# Long-kv lengths past the first long edge, up to the second's (8193, 16384, 16385): where a
+# key at the 8192 edge (and at 16384) is in view.
+PAST_8K = kv_edges(LONG_KV[0] + 1, LONG_KV[1] + 1)
+# (query row, head) pairs a case puts past the edge, at least: one masked key moves a row only
+# where that key carries weight for its head, about 1 pair in 100 on the gaussian inputs
+# (mask-edge-8192 on one kv-8193 row failed 2 of 12 seeds at 16 heads, 9 of 12 at 128; 11 of
+# 12 with two rows at 128 heads).
+EDGE_PAIRS = 128
+
+
 @st.composite
 def _8k_edge(draw: st.DrawFn) -> Case:
-    """A request past the 8192 tile edge beside a short one (page size 64)."""
-    kv = draw(st.sampled_from((16385, 8193, 12289)))
-    return DecodeCase(requests=(Request(1, 300), Request(1, kv)), num_heads=16, page_size=64)
+    """A request past the 8192 edge beside a short one (page size 64): its kv from the
+    catalogue's long lengths (PAST_8K, 8193 first), every one of its 1-2 query rows past the
+    edge, and heads enough for EDGE_PAIRS (row, head) pairs there (128, DeepSeek-V3's count,
+    for one row; 64 or 128 for two)."""
+    kv = draw(st.sampled_from(PAST_8K))
+    q_len = draw(st.integers(1, 2))
+    heads = draw(st.sampled_from(sorted(h for h in S.HEAD_COUNTS if h * q_len >= EDGE_PAIRS)))
+    return DecodeCase(requests=(Request(1, 300), Request(q_len, kv + q_len - 1)),
+                      num_heads=heads, page_size=64)
 
 
 def decode_8k_edge() -> st.SearchStrategy[Case]:
