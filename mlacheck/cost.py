@@ -37,6 +37,24 @@ KERNEL_FLOP_S = {"cuda": 3 / 28e12, "cpu": 3 / 20e9}
 KERNEL_SPEEDUP = {"aiter": 10.0, "aiter-nonpersistent": 10.0, "aiter-triton": 10.0,
                   "flashinfer": 10.0, "flashinfer-fa3": 10.0, "flashmla": 10.0,
                   "deepgemm": 10.0, "deepgemm-flashmla": 10.0}
+# Measured kernel seconds / the estimate above, per (backend, op), on the H100 (the nightly of
+# main 5717c62, one GPU, 2026-11-26: docs/gpu-results.md "Two H100s of one host"; regenerate
+# with `python benchmarks/calibrate_cost.py RESULTS.jsonl`). Medians over the items whose
+# estimate is >= 0.1 ms. The FLOP rate alone put aiter-model's 62 s sparse prefill at 0.1 s,
+# so the longest case started late and held the 2-GPU run. Unlisted pairs: 1.
+KERNEL_CALIBRATION: dict[tuple[str, Op], float] = {
+    ('aiter-model', Op.DECODE): 105.7,
+    ('aiter-model', Op.SPARSE_PREFILL): 499.8,
+    ('aiter-model', Op.MQA_LOGITS): 45.6,
+    ('aiter-triton', Op.DECODE): 73.5,
+    ('aiter-triton', Op.PREFILL): 6.9,
+    ('torch', Op.DECODE): 55.2,
+    ('torch', Op.PREFILL): 6.3,
+    ('torch', Op.SPARSE_DECODE): 39.9,
+    ('torch', Op.SPARSE_PREFILL): 17.1,
+    ('torch', Op.MQA_LOGITS): 44.8,
+    ('torch', Op.PAGED_PREFILL): 3.5,
+}
 # Seconds per output element judged: about a dozen fp64 passes (row errors against the exact
 # and the unquantised golden, for the kernel and the baseline, norms, cosine, finiteness),
 # run where the output is in row slices (mlacheck.judge.SLICE_ELEMENTS). CPU: 2.5e-8 s per
@@ -116,11 +134,20 @@ def references_s(case: Case, device: str = "cuda") -> float:
     return (fp.inputs + fp.pools) * BYTE_S[kind] + attention_flops(case) * REF_FLOP_S[kind]
 
 
+def kernel_s(case: Case, backend: str, device: str = "cuda", calibrated: bool = True) -> float:
+    """The backend's kernel on the case: the FLOP rate, times the measured factor of its
+    (backend, op) on a GPU (KERNEL_CALIBRATION)."""
+    kind = _kind(device)
+    est = attention_flops(case) * KERNEL_FLOP_S[kind] / KERNEL_SPEEDUP.get(backend, 1.0)
+    if calibrated and kind == "cuda":
+        est *= KERNEL_CALIBRATION.get((backend, case.op), 1.0)
+    return est
+
+
 def item_s(case: Case, backend: str, device: str = "cuda") -> float:
     """One backend's own part of a case: its kernel and the judging of its output."""
     kind = _kind(device)
-    kernel = attention_flops(case) * KERNEL_FLOP_S[kind] / KERNEL_SPEEDUP.get(backend, 1.0)
-    return ITEM_S + kernel + output_elements(case) * JUDGE_ELEMENT_S[kind]
+    return ITEM_S + kernel_s(case, backend, device) + output_elements(case) * JUDGE_ELEMENT_S[kind]
 
 
 def case_s(case: Case, backends: Iterable[str], device: str = "cuda") -> float:
