@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from mlacheck import footprint
-from mlacheck.spec import PIPELINE_OPS, Case, Op, PrefillCase, SparseDecodeCase
+from mlacheck.spec import PIPELINE_OPS, Case, Op
 
 # Per item whatever its size: the pytest item, the verdict line, admission, the checksum of the
 # shared inputs. The H100 nightly's small cases took ~0.1 s per item (1041 items, 99.7 s on
@@ -63,24 +63,13 @@ JUDGE_ELEMENT_S = {"cuda": 12 * 16 / 2e12, "cpu": 12 * 2.5e-8}
 
 
 def attention_flops(case: Case) -> float:
-    """Multiply-adds x 2 of one attention pass over the case (causal prefill: the visible
-    triangle only)."""
+    """Multiply-adds x 2 of one attention pass over the case: the (query, key) pairs each
+    token attends (a causal window: the visible triangle only; a top-k: its valid entries),
+    each a q.k of qk_width and a p.v of out_width per head."""
     if case.op in PIPELINE_OPS:
         return _pipeline_flops(case)
-    d, h = case.dims, case.num_heads
-    if isinstance(case, PrefillCase):
-        width = d.qk_head + d.v_head
-        pairs = 0
-        for s in case.segments:
-            q, ctx = s.q_len, s.context_len
-            pairs += q * ctx + (q * (q + 1) // 2 if case.causal else q * q)
-        return 2.0 * pairs * h * width
-    width = d.latent + d.kv_lora_rank
-    if isinstance(case, SparseDecodeCase):
-        pairs = sum(r.q_len * min(case.topk, r.kv_len) for r in case.requests)
-    else:
-        pairs = sum(q * kv for q, kv in zip(case.q_lengths, case.kv_lengths, strict=True))
-    return 2.0 * pairs * h * width
+    width = case.qk_width + case.out_width  # type: ignore[union-attr]
+    return 2.0 * sum(case.attended_lengths) * case.num_heads * width
 
 
 def _pipeline_flops(case: Case) -> float:

@@ -40,7 +40,7 @@ from mlacheck.golden import prefill as golden_prefill
 from mlacheck.golden.core import Operand, Result, attend
 from mlacheck.golden.sparse import sparse_attention
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
-from mlacheck.spec import Case, PrefillCase, SparseDecodeCase
+from mlacheck.spec import Case, PrefillCase
 from mlacheck.verdict import Verdict, ranges
 
 # Failing units re-run under each alternative (the cheapest), plus one passing unit.
@@ -96,8 +96,7 @@ def alternatives(case: Case, inputs: Inputs) -> list[Alternative]:
     units = inputs.row_bounds
     q_lens = [units[u + 1] - units[u] for u in range(len(units) - 1)]
     kv_lens = case.kv_lengths
-    dense = not isinstance(case, SparseDecodeCase)
-    if dense and getattr(case, "causal", True) and any(
+    if not case.sparse and case.causal and any(
             0 < q < kv for q, kv in zip(q_lens, kv_lens, strict=True)):
         out.append(Alternative("causal-top-left", "the causal mask aligned top-left (query i "
                                "sees keys j <= i) instead of bottom-right", top_left=True))
@@ -114,7 +113,7 @@ def alternatives(case: Case, inputs: Inputs) -> list[Alternative]:
             seen.add(round(value, 9))
             out.append(Alternative(name, f"softmax scale {why} = {value:.4g} instead of the "
                                          f"model's {scale:.4g}", scale=value))
-    if getattr(case, "soft_cap", 0.0) > 0:
+    if case.soft_cap > 0:
         out.append(Alternative("soft-cap-ignored", f"no soft cap (the case's is "
                                                    f"{case.soft_cap:g})", no_soft_cap=True))
     fp8_terms = [f for f in (case.quant.q, case.quant.kv) if fp8.fmt(f).is_fp8]
@@ -228,8 +227,8 @@ def _probed(case: Case, inputs: Inputs, failing: torch.Tensor) -> list[int]:
     heads = failing.shape[1]
     kv = case.kv_lengths
     cost = {u: (cuts[u + 1] - cuts[u]) * kv[u] * heads for u in range(n) if cuts[u + 1] > cuts[u]}
-    if isinstance(case, SparseDecodeCase):
-        topk = case.topk * int(cuts[-1]) * heads
+    if case.sparse:
+        topk = case.topk * int(cuts[-1]) * heads  # type: ignore[operator]
         return list(cost) if topk <= MAX_SCORES_PROBED else []
     small = sorted((c, u) for u, c in cost.items() if c <= MAX_SCORES_PROBED)
     bad = [u for _, u in small if bool(failing[cuts[u] : cuts[u + 1]].any())]
@@ -306,7 +305,7 @@ def _references(alt: Alternative, case: Case, inputs: Inputs,
     q_all = Term(golden_decode.query_operand(inputs, "exact"), case.quant.q,
                  golden_decode.query_operand(inputs, "ideal"))
     rank = case.dims.kv_lora_rank
-    if isinstance(case, SparseDecodeCase):
+    if case.sparse:
         res = _sparse(alt, inputs, q_all, scale, read)
         return {u: res[cuts[u] : cuts[u + 1]] for u in units}
     found = {}

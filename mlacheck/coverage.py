@@ -31,8 +31,6 @@ from mlacheck.spec import (
     PIPELINE_OPS,
     Case,
     Op,
-    PrefillCase,
-    SparseDecodeCase,
 )
 
 DECODE, SPARSE, PREFILL, PAGED = Op.DECODE, Op.SPARSE_DECODE, Op.PREFILL, Op.PAGED_PREFILL
@@ -85,25 +83,17 @@ def _fp8(case: Case) -> str | None:
     return q.scale
 
 
-def _page_size(case: Case) -> int | None:
-    if isinstance(case, PrefillCase):
-        return case.paging.page_size if case.paging is not None else None
-    return case.page_size
-
-
 def _page_family(case: Case) -> str | None:
-    ps = _page_size(case)
-    if ps is None:
+    if case.paging is None:
         return None
+    ps = case.paging.page_size
     if ps & (ps - 1):
         return "npot"
     return "1" if ps == 1 else "pow2" if ps <= 64 else "large"
 
 
 def _layout(case: Case) -> str | None:
-    if isinstance(case, PrefillCase):
-        return case.paging.layout if case.paging is not None else None
-    return case.layout
+    return case.paging.layout if case.paging is not None else None
 
 
 def _units(case: Case) -> str:
@@ -128,33 +118,34 @@ def _kv(case: Case) -> str:
 
 
 def _tail(case: Case) -> str | None:
-    if isinstance(case, PrefillCase) and case.paging is None:
-        return None
-    return case.placement.tail_poison
+    """What poisons a paged pool's partial pages (no pool: no tail)."""
+    return case.placement.tail_poison if case.paging is not None else None
 
 
 def _context(case: Case) -> str | None:
-    assert isinstance(case, PrefillCase)
-    return "some" if any(s.context_len for s in case.segments) else "none"
+    """Some unit has cached context: kv past its own query tokens."""
+    context = any(kv > q for q, kv in zip(case.q_lengths, case.kv_lengths, strict=True))
+    return "some" if context else "none"
 
 
 def _rare(case: Case) -> str | None:
-    assert isinstance(case, PrefillCase)
-    if not case.return_lse:
+    if not case.requires_lse:
         return "no-lse"
     return "no-yarn" if case.dims.rope_factor <= 1.0 else "default"
 
 
 def _topk(case: Case) -> str | None:
-    assert isinstance(case, SparseDecodeCase)
+    if case.topk is None:
+        return None
     if case.valid_cap is not None and case.valid_cap < case.topk:
         return "valid-cap"
-    longest = max(r.kv_len for r in case.requests if r.q_len > 0)
+    longest = max(kv for q, kv in zip(case.q_lengths, case.kv_lengths, strict=True) if q > 0)
     return "kv>=topk" if longest >= case.topk else "kv<topk"
 
 
 def _topk_size(case: Case) -> str | None:
-    assert isinstance(case, SparseDecodeCase)
+    if case.topk is None:
+        return None
     return "large" if case.topk >= LARGE_TOPK else "small"
 
 

@@ -34,7 +34,7 @@ from mlacheck import tolerances as tol
 from mlacheck.golden.core import Operand, attend, per_tensor
 from mlacheck.inputs import DecodeInputs, Inputs
 from mlacheck.kvcache import byte_region
-from mlacheck.spec import Case, SparseDecodeCase, SparsePrefillCase
+from mlacheck.spec import Case
 from mlacheck.verdict import Where, ranges
 
 # Failing requests whose kv the KV-attribution test re-runs (the worst first).
@@ -293,7 +293,7 @@ def _kv_attribution(case: Case, inputs: Inputs, bad: list[int], good: list[int],
     finite sentinel), or on a prefix (dropped positions). A tail read is not claimed when a
     passing request's poisoned tail shows the kernel does not read tails (the cause is then
     elsewhere: the pages, the pool region). '' when no probed request is explained."""
-    if isinstance(case, SparseDecodeCase | SparsePrefillCase) or not bad:
+    if case.sparse or not bad:  # a top-k's positions are no prefix of the kv
         return ""
     cuts = inputs.row_bounds
 
@@ -345,8 +345,8 @@ def _tail_reference(case: Case, inputs: Inputs, u: int) -> torch.Tensor | None:
     if ps <= 1 or not kv % ps or inputs.paged_pool is None:
         return None
     q, k, v = _operands(case, inputs, u, whole_pages=True)
-    return attend(q, k, v, case.softmax_scale, getattr(case, "causal", True),
-                  getattr(case, "soft_cap", 0.0), dtype=torch.float32).out
+    return attend(q, k, v, case.softmax_scale, case.causal,
+                  case.soft_cap, dtype=torch.float32).out
 
 
 def _tail_contradicted(case: Case, inputs: Inputs, u: int, got: torch.Tensor,
@@ -393,8 +393,8 @@ def _explaining_prefix(case: Case, inputs: Inputs, u: int, got: torch.Tensor,
     for n in _candidate_prefixes(kv, ps):
         ref = attend(q, k.view(lambda x, n=n: x[:n]),
                      v if isinstance(v, int) else v.view(lambda x, n=n: x[:n]),
-                     case.softmax_scale, getattr(case, "causal", True),
-                     getattr(case, "soft_cap", 0.0), dtype=torch.float32).out
+                     case.softmax_scale, case.causal,
+                     case.soft_cap, dtype=torch.float32).out
         if _explains(ref, got, bound):
             where = _page_words(case, inputs, u, n, kv, ps)
             return (f"{case.unit_name} {u} attends to tokens 0..{n - 1} only: tokens "

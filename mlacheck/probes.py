@@ -28,7 +28,7 @@ from mlacheck import fp8, kvcache
 from mlacheck.backends.base import Output
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs, Quantised, cu_seqlens
 from mlacheck.kvcache import KVPool, PageTable
-from mlacheck.spec import Case, PrefillCase, SparseDecodeCase
+from mlacheck.spec import Case
 
 # Requests probed alone (the first failing ones): enough to tell "each fails alone" from
 # "they only fail together" without re-running a large batch request by request.
@@ -54,11 +54,11 @@ def _sub_pool(pool: KVPool, u: int) -> KVPool:
 def one_unit(inputs: Inputs, u: int) -> tuple[Case, Inputs]:
     """Request (decode) / segment (prefill) u alone, on the same memory."""
     case = inputs.case
+    sub = case.with_units((case.units[u],))
     out_rows = inputs.out.out
     if isinstance(inputs, DecodeInputs):
         qo = inputs.qo_indptr.tolist()
         a, b = qo[u], qo[u + 1]
-        sub = dataclasses.replace(case, requests=(case.requests[u],))
         view = dataclasses.replace(
             inputs, case=sub, q=_rows(inputs.q, a, b), kv=[inputs.kv[u]],
             pool=_sub_pool(inputs.pool, u), qo_indptr=cu_seqlens([b - a]).to(inputs.device),
@@ -66,11 +66,10 @@ def one_unit(inputs: Inputs, u: int) -> tuple[Case, Inputs]:
                                       out_rows.device),
             topk_indices=None if inputs.topk_indices is None else inputs.topk_indices[a:b])
         return sub, view
-    assert isinstance(inputs, PrefillInputs) and isinstance(case, PrefillCase)
+    assert isinstance(inputs, PrefillInputs)
     qc, kc = inputs.cu_seqlens_q.tolist(), inputs.cu_seqlens_k.tolist()
     a, b = qc[u], qc[u + 1]
-    seg = case.segments[u]
-    sub = dataclasses.replace(case, segments=(seg,))
+    seg = case.units[u]
     view = dataclasses.replace(
         inputs, case=sub, q=_rows(inputs.q, a, b), k=_rows(inputs.k, kc[u], kc[u + 1]),
         v=_rows(inputs.v, kc[u], kc[u + 1]),
@@ -114,7 +113,7 @@ def relocated(inputs: Inputs) -> Inputs:
 
 def units_worth_isolating(case: Case) -> bool:
     """A batch of several units with rows (sparse cases have their own pseudo-batches)."""
-    return not isinstance(case, SparseDecodeCase) and sum(q > 0 for q in case.q_lengths) > 1
+    return not case.sparse and sum(q > 0 for q in case.q_lengths) > 1
 
 
 # The kernel under test on other inputs (the harness gives the judge one): None when it

@@ -8,9 +8,14 @@ Every case answers the same questions the same way, whatever its kind, so reader
 (capabilities, footprint, boundaries, localisation, backends) need not branch on the case
 type for shared facts: `op` (mlacheck.ops.Op), `units` (its segments or requests: each has
 `q_len` and `kv_len`), `unit_name`, `q_lengths`, `kv_lengths`, `total_q`, `total_kv`,
-`max_q_len`, `has_empty`, `paging` (page size and layout; None without a paged pool); the
-attention ops' cases also `page_token_values` (the values one token takes in a page of its
-pool) and `out_width` (Dv of the output [T, H, Dv]).
+`max_q_len`, `has_empty`, `paging` (page size and layout; None without a paged pool),
+`visible_lengths` / `attended_lengths` (per query token: its causal window / the kv positions
+it reads, a top-k's valid entries), `with_units` (the case over other units). Facts a kind may
+lack are on every case with the value that means "none": `causal` (True), `soft_cap` (0),
+`topk` / `valid_cap` (None), `sparse` (attention over top-k selections: False),
+`requires_lse` (False). The attention ops' cases also have `page_token_values` (the values
+one token takes in a page of its pool), `qk_width` and `out_width` (Dv of the output
+[T, H, Dv]).
 
 The attention ops' cases (PrefillCase, DecodeCase, SparseDecodeCase) come first; the
 DeepSeek-V3.2 sparse path's (indexer logits, top-k, index conversion, sparse prefill, the path
@@ -24,7 +29,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 from mlacheck import layouts
 from mlacheck.formats import FORMAT_BYTES, FORMATS, VECTOR_BYTES, vector_width  # noqa: F401 (re-exported)
@@ -241,8 +246,23 @@ class Paging:
 # --------------------------------------------------------------------------- cases
 
 
+class _Defaults:
+    """Facts a kind of case may lack, on every case: a kind without the field has the value
+    that means "none", so generic code reads the fact instead of asking for the case type.
+    (A plain class: dataclass fields of the same names in a case keep their places.)"""
+
+    causal: ClassVar[bool] = True  # bottom-right causal windows (a prefill may attend all)
+    soft_cap: ClassVar[float] = 0.0  # the scores' tanh soft cap (0: none; a prefill field)
+    topk: ClassVar[int | None] = None  # width of each query token's top-k row (None: no top-k)
+    valid_cap: ClassVar[int | None] = None  # at most this many valid entries per top-k row
+    # Attention over each query token's own top-k selection (the V3.2 sparse cases) instead of
+    # its window: the positions a token reads are no prefix of its unit's kv, and its tokens
+    # are pseudo-requests of their own (kernels and the golden take the batch whole).
+    sparse: ClassVar[bool] = False
+
+
 @dataclass(frozen=True)
-class _CaseBase:
+class _CaseBase(_Defaults):
     kind: ClassVar[str] = ""
     op: ClassVar[Op]
     # Fields added after the first case schema. Case ids and seeds hash the *identity*
@@ -317,6 +337,39 @@ class _CaseBase:
         """Some request / segment has no query token (an empty one)."""
         return any(q == 0 for q in self.q_lengths)
 
+    # -- facts a kind may lack (_Defaults), and what follows from the facts
+
+    @property
+    def requires_lse(self) -> bool:
+        """A kernel without an LSE output cannot run this case (a prefill that asks for one).
+        Decode LSEs are judged where a kernel returns one, never required."""
+        return False
+
+    @property
+    def visible_lengths(self) -> tuple[int, ...]:
+        """Per query token (in order), how many positions of its unit it sees: the bottom-right
+        causal prefix kv_len - q_len + j + 1 (the whole unit without the causal mask)."""
+        return tuple(u.kv_len - u.q_len + j + 1 if self.causal else u.kv_len
+                     for u in self.units for j in range(u.q_len))
+
+    @property
+    def attended_lengths(self) -> tuple[int, ...]:
+        """Per query token, how many kv positions it reads: its visible window, or with a top-k
+        the valid entries of its row, min(topk, visible, valid_cap)."""
+        if self.topk is None:
+            return self.visible_lengths
+        most = self.topk if self.valid_cap is None else min(self.topk, self.valid_cap)
+        return tuple(min(most, v) for v in self.visible_lengths)
+
+    def with_units(self: _C, units: tuple[Segment, ...] | tuple[Request, ...]) -> _C:
+        """The same case over other units (one unit alone, the empty ones dropped, ...)."""
+        return dataclasses.replace(self, **{_UNITS_FIELD[self.unit_name]: tuple(units)})
+
+
+# The field that holds a case's units, by what a unit is called.
+_UNITS_FIELD = {"segment": "segments", "request": "requests"}
+_C = TypeVar("_C", bound=_CaseBase)
+
 
 def _check_common(num_heads: int, seed: int, distribution: str = "gaussian") -> None:
     if distribution not in DISTRIBUTIONS:
@@ -380,9 +433,18 @@ class PrefillCase(_CaseBase):
         return self.segments
 
     @property
+    def requires_lse(self) -> bool:
+        return self.return_lse
+
+    @property
     def page_token_values(self) -> int:
         """Values per token in a page of the K pool (every head's 192-wide key)."""
         return self.num_heads * self.dims.qk_head
+
+    @property
+    def qk_width(self) -> int:
+        """Per-head width of q and k, what a score's dot product runs over: 192 (MHA form)."""
+        return self.dims.qk_head
 
     @property
     def out_width(self) -> int:
@@ -460,6 +522,11 @@ class _Requests:
         return self.dims.latent
 
     @property
+    def qk_width(self) -> int:
+        """Per-head width of q and k (the latent [c_kv || k_pe]): 576 (absorbed form)."""
+        return self.dims.latent
+
+    @property
     def out_width(self) -> int:
         """Dv of the output [T, H, Dv]: the absorbed (latent) width, 512."""
         return self.dims.kv_lora_rank
@@ -523,6 +590,7 @@ class SparseDecodeCase(_Requests, _CaseBase):
 
     kind: ClassVar[str] = "sparse"
     op: ClassVar[Op] = Op.SPARSE_DECODE
+    sparse: ClassVar[bool] = True
     requests: tuple[Request, ...] = (Request(1, 2048),)
     topk: int = 2048
     valid_cap: int | None = None
@@ -579,16 +647,6 @@ UNPAGED = Placement()  # the placement of a case with no paged pool (read by gen
 TopkForm = Literal["decode", "prefill"]
 LogitsProfile = Literal["distinct", "ties"]
 IndexLayout = Literal["row_major", "ragged"]
-
-
-class _RowWindows:
-    """What the pipeline cases add to the shared facts: each query token's causal window."""
-
-    @property
-    def visible_lengths(self) -> tuple[int, ...]:
-        """Per query token (in order), how many positions of its unit it sees."""
-        return tuple(u.kv_len - u.q_len + j + 1 for u in self.units  # type: ignore[attr-defined]
-                     for j in range(u.q_len))
 
 
 class _PagedRequests:
@@ -658,7 +716,7 @@ def _lengths_slug(lengths: tuple[int, ...], tag: str) -> str:
 
 
 @dataclass(frozen=True)
-class IndexerCase(_RowWindows, _CaseBase):
+class IndexerCase(_CaseBase):
     """The lightning indexer's logits, prefill form (`mqa_logits`: DeepGEMM / AITER
     `fp8_mqa_logits`): the segments' keys (each segment's context, then its own tokens) laid
     end to end in one FP8 key tensor [S, head_dim] with per-token FP32 scales; query token
@@ -698,7 +756,7 @@ class IndexerCase(_RowWindows, _CaseBase):
 
 
 @dataclass(frozen=True)
-class PagedIndexerCase(_NextN, _RowWindows, _CaseBase):
+class PagedIndexerCase(_NextN, _CaseBase):
     """The lightning indexer's logits, decode form (`paged_mqa_logits`: DeepGEMM
     `fp8_paged_mqa_logits`, AITER `deepgemm_fp8_paged_mqa_logits`): every request has the same
     q_len (next_n: 1, or 2+ for MTP); its keys live in a paged FP8 key cache in the kernels'
@@ -732,7 +790,7 @@ class PagedIndexerCase(_NextN, _RowWindows, _CaseBase):
 
 
 @dataclass(frozen=True)
-class TopkCase(_RowWindows, _CaseBase):
+class TopkCase(_CaseBase):
     """Top-k over indexer logits (`topk_indices`): per query row, the positions of the `topk`
     largest FP32 logits among those it sees, request-local (0 = its unit's first key), -1
     padded when it sees fewer. Rows as the indexer cases lay them out: `decode` hands the
@@ -776,7 +834,7 @@ class TopkCase(_RowWindows, _CaseBase):
 
 
 @dataclass(frozen=True)
-class IndexConversionCase(_PagedRequests, _RowWindows, _CaseBase):
+class IndexConversionCase(_PagedRequests, _CaseBase):
     """Request-local top-k positions -> global KV slots (`index_conversion`): per query token
     its request-local positions (-1 padded to topk, as top-k returns them; at most
     `valid_cap` valid ones when set) go through its request's block table to
@@ -815,7 +873,7 @@ class IndexConversionCase(_PagedRequests, _RowWindows, _CaseBase):
 
 
 @dataclass(frozen=True)
-class SparsePrefillCase(_RowWindows, _CaseBase):
+class SparsePrefillCase(_CaseBase):
     """Sparse MLA prefill (`mla_sparse_prefill`: FlashMLA `flash_mla_sparse_fwd`): absorbed q
     [T, H, 576], one flat latent KV [N, 1, 576] (the segments' latents laid end to end) and
     per query token `topk` global row indices into it, -1 padded (its request's visible
@@ -825,6 +883,7 @@ class SparsePrefillCase(_RowWindows, _CaseBase):
 
     kind: ClassVar[str] = "sparse_prefill"
     op: ClassVar[Op] = Op.SPARSE_PREFILL
+    sparse: ClassVar[bool] = True
     segments: tuple[Segment, ...] = (Segment(64, 192),)
     topk: int = 128
     valid_cap: int | None = None
@@ -863,7 +922,7 @@ class SparsePrefillCase(_RowWindows, _CaseBase):
 
 
 @dataclass(frozen=True)
-class SparsePipelineCase(_NextN, _RowWindows, _CaseBase):
+class SparsePipelineCase(_NextN, _CaseBase):
     """The DeepSeek-V3.2 decode path composed (`sparse_pipeline`): the paged indexer logits of
     every query token (next_n per request), its top-k (request-local, -1 padded), those
     positions as global slots of the paged latent pool, and sparse MLA decode over them. The
@@ -873,6 +932,7 @@ class SparsePipelineCase(_NextN, _RowWindows, _CaseBase):
 
     kind: ClassVar[str] = Op.SPARSE_PIPELINE.value  # the kind is spelt as its op
     op: ClassVar[Op] = Op.SPARSE_PIPELINE
+    sparse: ClassVar[bool] = True
     requests: tuple[Request, ...] = (Request(1, 300),)
     topk: int = 2048
     num_heads: int = 16

@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from mlacheck.inputs import Inputs
-from mlacheck.spec import Case, PrefillCase
+from mlacheck.spec import Case
 
 
 @dataclass(frozen=True)
@@ -116,13 +116,12 @@ class Capability:
              f"{case.num_heads} heads not in {_fmt(self.head_counts)}"),
             ("empty_requests", self.empty_requests or not case.has_empty,
              "empty requests/segments (q_len 0) not supported"),
+            # the mask, the LSE and the soft cap (a prefill's fields; the same facts with
+            # their "none" values on the other cases: causal, no LSE required, no cap)
+            ("causal", case.causal in self.causal, f"causal={case.causal} not supported"),
+            ("lse", not case.requires_lse or self.lse, "LSE output not supported"),
+            ("soft_cap", not case.soft_cap or self.soft_cap, "soft cap not supported"),
         ]
-        if isinstance(case, PrefillCase):  # what only a prefill has: the mask, LSE, soft cap
-            checks += [
-                ("causal", case.causal in self.causal, f"causal={case.causal} not supported"),
-                ("lse", not case.return_lse or self.lse, "LSE output not supported"),
-                ("soft_cap", not case.soft_cap or self.soft_cap, "soft cap not supported"),
-            ]
         paging = case.paging
         if paging is not None:
             checks += [
@@ -140,10 +139,9 @@ class Capability:
              not self.uniform_q_len or len({q for q in case.q_lengths if q}) <= 1,
              "mixed q_len in one batch (the kernel takes one q_len per batch)"),
         ]
-        topk = getattr(case, "topk", None)  # sparse decode and the sparse-pipeline cases
-        if topk is not None:
-            checks.append(("max_topk", self.max_topk is None or topk <= self.max_topk,
-                           f"topk {topk} > max {self.max_topk}"))
+        if case.topk is not None:  # sparse decode and the sparse-pipeline cases
+            checks.append(("max_topk", self.max_topk is None or case.topk <= self.max_topk,
+                           f"topk {case.topk} > max {self.max_topk}"))
         for name, ok, reason in checks:
             if not ok:
                 why = self.reasons.get(name)
