@@ -64,7 +64,7 @@ from mlacheck.backends.toolkit import (  # topk_to_global_slots: re-exported (te
 )
 from mlacheck.fp8 import format_of
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs, cu_seqlens
-from mlacheck.spec import Case, DecodeCase, Op, SparseDecodeCase
+from mlacheck.spec import Case, Op
 
 # --------------------------------------------------------------------------- AITER modules
 
@@ -170,9 +170,9 @@ def fp8_q_needs_page(min_page: int) -> CaseRule:
     """Off ROCm, the FP8 x FP8 tl.dot over the page (P x V in mla_decode_fwd) needs K >= 32."""
 
     def rule(case: Case) -> str | None:
-        if (_is_fp8(case.quant.q) and isinstance(case, DecodeCase)
-                and case.page_size < min_page):
-            return (f"page size {case.page_size} with FP8 q: the FP8 tl.dot over the page "
+        paging = case.paging
+        if _is_fp8(case.quant.q) and paging is not None and paging.page_size < min_page:
+            return (f"page size {paging.page_size} with FP8 q: the FP8 tl.dot over the page "
                     f"needs K >= {min_page} on this target")
         return None
 
@@ -181,7 +181,7 @@ def fp8_q_needs_page(min_page: int) -> CaseRule:
 
 def sparse_pool_covers_a_tile(case: Case) -> str | None:
     """The sparse view needs at least one whole tile of the smallest size in the pool."""
-    if isinstance(case, SparseDecodeCase) and sum(r.kv_len for r in case.requests) < SPARSE_MIN_TILE:
+    if case.total_kv < SPARSE_MIN_TILE:
         return (f"fewer than {SPARSE_MIN_TILE} cached tokens: no tile the sparse kernel can use "
                 "(tl.dot needs >= 16) fits the pool")
     return None
@@ -189,7 +189,7 @@ def sparse_pool_covers_a_tile(case: Case) -> str | None:
 
 def sparse_rows_nonempty(case: Case) -> str | None:
     """AITER's sparse kernel gives NaN for a row whose top-k indices are all -1."""
-    if isinstance(case, SparseDecodeCase) and case.valid_cap == 0:
+    if case.valid_cap == 0:
         return "rows with no valid top-k index (AITER: output NaN when all topk indices are -1)"
     return None
 
@@ -690,7 +690,7 @@ class AiterTritonBackend:
     def _sparse(self, got: Loaded, inp: DecodeInputs) -> Output:
         self._require(got, Op.SPARSE_DECODE)
         case = inp.case
-        assert isinstance(case, SparseDecodeCase) and inp.topk_indices is not None
+        assert inp.topk_indices is not None
         sparse = got.modules["sparse"]
         dev = inp.device
         table = inp.table

@@ -244,7 +244,7 @@ class AiterAdapter:
         smallest head count a non-persistent kernel exists for."""
         if self.persistent:
             return head_padding(case.num_heads)
-        max_q = 1 if isinstance(case, SparseDecodeCase) else case.max_q_len
+        max_q = 1 if case.sparse else case.max_q_len  # sparse: each token a pseudo-request
         return head_padding(case.num_heads, nonpersistent_head_targets(
             api.gfx, fp8.fmt(case.quant.q).is_fp8, max_q))
 
@@ -256,8 +256,8 @@ class AiterAdapter:
     def decode_schedule(self, case: DecodeCase | SparseDecodeCase,
                         inputs: DecodeInputs) -> DecodeSchedule:
         dev = inputs.device
-        if isinstance(case, SparseDecodeCase):
-            return self.sparse_schedule(case, inputs)
+        if case.sparse:
+            return self.sparse_schedule(case, inputs)  # type: ignore[arg-type]
         kv_indptr, kv_indices, last = self.page_table_for_decode(inputs)
         return DecodeSchedule(
             qo_indptr=inputs.qo_indptr.to(device=dev, dtype=torch.int32),

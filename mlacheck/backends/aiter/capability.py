@@ -16,7 +16,7 @@ from mlacheck.backends.aiter.api import (
     AdapterError,
 )
 from mlacheck.backends.base import CaseRule
-from mlacheck.spec import Case, SparseDecodeCase
+from mlacheck.spec import Case
 
 MIN_AITER_HEADS = 16  # AITER's MLA kernels and metadata work in groups of 16 query heads
 MAX_DECODE_HEADS = 128
@@ -142,8 +142,8 @@ def folded_heads_need_uniform_q_len(gfx: str) -> CaseRule:
     qo_indptr at the pseudo-batch index (b * fold + f): out of bounds for mixed MTP lengths."""
 
     def rule(case: Case) -> str | None:
-        lens = {r.q_len for r in case.requests}  # type: ignore[union-attr]
-        if len(lens) == 1 or isinstance(case, SparseDecodeCase):
+        lens = set(case.q_lengths)
+        if len(lens) == 1 or case.sparse:  # sparse: every token a pseudo-request of q_len 1
             return None
         padded = head_padding(case.num_heads).padded
         if aiter_folds_heads(gfx, padded, max(lens), fp8.fmt(case.quant.q).is_fp8,
