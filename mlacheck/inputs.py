@@ -74,6 +74,11 @@ class PrefillInputs:
         """Token-row boundaries of each segment (CSR)."""
         return self.cu_seqlens_q.tolist()
 
+    def with_row_bounds(self, case: PrefillCase, bounds: torch.Tensor) -> PrefillInputs:
+        """These tensors read as `case` (other segments) with other query-row boundaries: a
+        shallow copy, so what a kernel writes into `out` lands in this buffer."""
+        return dataclasses.replace(self, case=case, cu_seqlens_q=bounds)
+
     @property
     def paged_pool(self) -> KVPool | None:
         """The pool failures name pages and bytes in: the K pool (None when unpaged)."""
@@ -100,6 +105,12 @@ class DecodeInputs:
     def row_bounds(self) -> list[int]:
         """Token-row boundaries of each request (CSR)."""
         return self.qo_indptr.tolist()
+
+    def with_row_bounds(self, case: DecodeCase | SparseDecodeCase,
+                        bounds: torch.Tensor) -> DecodeInputs:
+        """These tensors read as `case` (other requests) with other query-row boundaries: a
+        shallow copy, so what a kernel writes into `out` lands in this buffer."""
+        return dataclasses.replace(self, case=case, qo_indptr=bounds)
 
     @property
     def paged_pool(self) -> KVPool:
@@ -297,7 +308,7 @@ def _build_decode(case: DecodeCase | SparseDecodeCase, device: torch.device | st
         qo_indptr=cu_seqlens([r.q_len for r in case.requests]).to(device),
         out=kvcache.guarded_empty((case.total_q, h, d.kv_lora_rank), _out_dtype(case.quant), device),
     )
-    if isinstance(case, SparseDecodeCase):
+    if case.sparse:
         inputs.topk_indices = sparse_indices(case, gen).to(device)
     return inputs
 
@@ -344,15 +355,10 @@ def _checksum(t: torch.Tensor) -> int:
 def sparse_indices(case: SparseDecodeCase, gen: torch.Generator) -> torch.Tensor:
     """[T, topk] logical kv positions per query token (unsorted, as an indexer emits), -1 padded."""
     rows = []
-    for r in case.requests:
-        for i in range(r.q_len):
-            visible = r.kv_len - r.q_len + i + 1
-            n = min(case.topk, visible)
-            if case.valid_cap is not None:
-                n = min(n, case.valid_cap)
-            row = torch.full((case.topk,), -1, dtype=torch.int64)
-            row[:n] = torch.randperm(visible, generator=gen)[:n]
-            rows.append(row)
+    for visible, n in zip(case.visible_lengths, case.attended_lengths, strict=True):
+        row = torch.full((case.topk,), -1, dtype=torch.int64)
+        row[:n] = torch.randperm(visible, generator=gen)[:n]
+        rows.append(row)
     return torch.stack(rows).to(torch.int32)
 
 

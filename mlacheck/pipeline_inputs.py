@@ -12,6 +12,7 @@ the kernels' page layout: mlacheck.indexer_cache), top-k rows request-local and 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -402,18 +403,14 @@ def build_sparse_prefill(case: SparsePrefillCase, device: torch.device | str = "
     kv = rng.normal((case.total_kv, 1, d.latent), rng.stream_key(case.seed_material, "kv"),
                     device)
     quant = Quant(case.quant.q, case.quant.kv)
+    # per query token: its segment's first row in the flat kv, its window, its valid entries
+    starts = itertools.accumulate(case.kv_lengths[:-1], initial=0)
+    firsts = [k0 for s, k0 in zip(case.segments, starts, strict=True) for _ in range(s.q_len)]
     rows = []
-    k0 = 0
-    for s in case.segments:
-        for j in range(s.q_len):
-            visible = s.context_len + j + 1
-            n = min(case.topk, visible)
-            if case.valid_cap is not None:
-                n = min(n, case.valid_cap)
-            row = torch.full((case.topk,), -1, dtype=torch.int64)
-            row[:n] = k0 + torch.randperm(visible, generator=gen)[:n]
-            rows.append(row)
-        k0 += s.kv_len
+    for k0, visible, n in zip(firsts, case.visible_lengths, case.attended_lengths, strict=True):
+        row = torch.full((case.topk,), -1, dtype=torch.int64)
+        row[:n] = k0 + torch.randperm(visible, generator=gen)[:n]
+        rows.append(row)
     idx = torch.stack(rows)
     idx[lonely_rows(case.total_q, case.empty_rows)] = -1
     return SparsePrefillInputs(
