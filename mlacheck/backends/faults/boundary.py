@@ -48,7 +48,7 @@ from mlacheck.backends.numerics import Numerics, flash_attend
 from mlacheck.backends.torch_ref import TorchBackend
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs, Quantised, cu_seqlens
 from mlacheck.kvcache import KVPool, PageTable
-from mlacheck.spec import Case, DecodeCase, Op, PrefillCase, SparseDecodeCase
+from mlacheck.spec import Case, Op, Segment, SparseDecodeCase
 
 DECODE, PREFILL = (Op.DECODE,), (Op.PREFILL,)
 SPARSE, PAGED = (Op.SPARSE_DECODE,), (Op.PAGED_PREFILL,)
@@ -88,13 +88,13 @@ class _KvShortened(Wrapper):
             keep = [self.keep(int(n)) for n in inputs.table.kv_lens.tolist()]
             pool = _pool_with_table(inputs.pool, truncated_table(inputs.table, keep))
             return self.inner.run(case, replace_inputs(inputs, pool=pool))
-        assert isinstance(inputs, PrefillInputs) and isinstance(case, PrefillCase)
+        assert isinstance(inputs, PrefillInputs)
         cuts = inputs.cu_seqlens_k.tolist()
-        keep = [self.keep(s.kv_len) for s in case.segments]
+        keep = [self.keep(n) for n in case.kv_lengths]
         rows = torch.cat([torch.arange(cuts[i], cuts[i] + keep[i]) for i in range(len(keep))])
-        segments = tuple(dataclasses.replace(s, context_len=max(0, k - s.q_len))
-                         for s, k in zip(case.segments, keep, strict=True))
-        short = dataclasses.replace(case, segments=segments)
+        segments = tuple(Segment(q, max(0, k - q)) for q, k in zip(case.q_lengths, keep,
+                                                                      strict=True))
+        short = case.with_units(segments)
         view = replace_inputs(inputs, case=short, k=_keep_rows(inputs.k, rows),
                               v=_keep_rows(inputs.v, rows), cu_seqlens_k=cu_seqlens(keep))
         return self.inner.run(short, view)
@@ -179,21 +179,12 @@ class EmptyShift(Wrapper):
     ops = DECODE + SPARSE + PREFILL + PAGED
 
     def run(self, case: Case, inputs: Inputs) -> Output:
-        if isinstance(case, SparseDecodeCase):
+        if case.sparse:  # its tokens read the pages through the (shifted) table rows
             assert isinstance(inputs, DecodeInputs)
-            return self._sparse(case, inputs)
-        if isinstance(case, DecodeCase):
-            assert isinstance(inputs, DecodeInputs)
-            kept = tuple(r for r in case.requests if r.q_len)
-            compact = dataclasses.replace(case, requests=kept)
-            view = replace_inputs(inputs, case=compact,
-                                  qo_indptr=cu_seqlens([r.q_len for r in kept]))
-            return self.inner.run(compact, view)
-        assert isinstance(case, PrefillCase) and isinstance(inputs, PrefillInputs)
-        kept_segs = tuple(s for s in case.segments if s.q_len)
-        compact = dataclasses.replace(case, segments=kept_segs)
-        view = replace_inputs(inputs, case=compact,
-                              cu_seqlens_q=cu_seqlens([s.q_len for s in kept_segs]))
+            return self._sparse(case, inputs)  # type: ignore[arg-type]
+        kept = tuple(u for u in case.units if u.q_len)
+        compact = case.with_units(kept)
+        view = inputs.with_row_bounds(compact, cu_seqlens([u.q_len for u in kept]))
         return self.inner.run(compact, view)
 
     def _sparse(self, case: SparseDecodeCase, inputs: DecodeInputs) -> Output:
@@ -223,11 +214,11 @@ class SingleTokenNoContext(Wrapper):
 
     def run(self, case: Case, inputs: Inputs) -> Output:
         res = self.inner.run(case, inputs)
-        assert isinstance(case, PrefillCase) and isinstance(inputs, PrefillInputs)
+        assert isinstance(inputs, PrefillInputs)
         qc, kc = inputs.cu_seqlens_q.tolist(), inputs.cu_seqlens_k.tolist()
         q, k, v = inputs.q.dequant(), inputs.k.dequant(), inputs.v.dequant()
-        for i, s in enumerate(case.segments):
-            if s.q_len != 1 or s.context_len == 0 or len(case.segments) < 2:
+        for i, (q_len, kv_len) in enumerate(zip(case.q_lengths, case.kv_lengths, strict=True)):
+            if q_len != 1 or kv_len == q_len or len(case.units) < 2:  # one token, no context
                 continue
             last = slice(kc[i + 1] - 1, kc[i + 1])
             o, lse = flash_attend(q[qc[i] : qc[i] + 1], k[last], v[last], case.softmax_scale,
@@ -242,8 +233,7 @@ class SoftCapIgnored(Wrapper):
     ops = PREFILL
 
     def run(self, case: Case, inputs: Inputs) -> Output:
-        assert isinstance(case, PrefillCase)
-        uncapped = dataclasses.replace(case, soft_cap=0.0)
+        uncapped = dataclasses.replace(case, soft_cap=0.0)  # ops: the prefill (its field)
         return self.inner.run(uncapped, replace_inputs(inputs, case=uncapped))
 
 

@@ -12,7 +12,6 @@ mtp-metadata-qlen1 (class 9): multi-token (MTP) decode whose persistent metadata
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from mlacheck.backends.faults._base import (
 )
 from mlacheck.inputs import DecodeInputs, Inputs, Quantised, cu_seqlens
 from mlacheck.kvcache import GUARD_ROWS, PageTable, free_pages
-from mlacheck.spec import Case, DecodeCase, Op, Request
+from mlacheck.spec import Case, Op, Request
 
 
 class DecodeOverActualTokens(Wrapper):
@@ -42,7 +41,7 @@ class DecodeOverActualTokens(Wrapper):
         self.prefill_tokens = prefill_tokens
 
     def run(self, case: Case, inputs: Inputs) -> Output:
-        assert isinstance(case, DecodeCase) and isinstance(inputs, DecodeInputs)
+        assert isinstance(inputs, DecodeInputs)
         n, extra = case.total_q, self.prefill_tokens
         pool, table = inputs.pool, inputs.table
         # Index entries this batch never wrote: what the buffer held before, page ids of pages
@@ -64,10 +63,10 @@ class DecodeOverActualTokens(Wrapper):
             scale = torch.cat([scale, scale[rows.to(scale.device)]])
         q_ext = Quantised(torch.cat([q.stored, q.stored[rows.to(q.stored.device)]]), scale,
                           q.fmt, torch.cat([q.ideal, q.ideal[rows.to(q.ideal.device)]]))
-        case_ext = dataclasses.replace(case, requests=case.requests + (Request(1, ps),) * extra)
+        case_ext = case.with_units(case.units + (Request(1, ps),) * extra)
         seen = replace_inputs(
             inputs, case=case_ext, q=q_ext, pool=with_table(pool, ext),
-            qo_indptr=cu_seqlens([r.q_len for r in case_ext.requests]).to(inputs.device),
+            qo_indptr=cu_seqlens(list(case_ext.q_lengths)).to(inputs.device),
             out=output_window(inputs.out, 0, n + extra))
         res = self.inner.run(case_ext, seen)
         lse = None if res.lse is None else res.lse[:n]

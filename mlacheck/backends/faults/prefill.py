@@ -13,7 +13,6 @@ context-chunk-lse (class 8): chunked prefill computed as a context chunk (non-ca
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -30,7 +29,7 @@ from mlacheck.backends.faults._base import (
 from mlacheck.backends.numerics import flash_attend, merge_partials, p_format_for
 from mlacheck.backends.torch_ref import TorchBackend
 from mlacheck.inputs import Inputs, PrefillInputs
-from mlacheck.spec import Case, Op, PrefillCase, Segment
+from mlacheck.spec import Case, Op, Segment
 
 UNPAGED = (Op.PREFILL,)
 PREFILL_OPS = (Op.PREFILL, Op.PAGED_PREFILL)
@@ -42,15 +41,15 @@ class MultiSegmentAsOne(Wrapper):
     ops = UNPAGED
 
     def run(self, case: Case, inputs: Inputs) -> Output:
-        assert isinstance(case, PrefillCase) and isinstance(inputs, PrefillInputs)
+        assert isinstance(inputs, PrefillInputs)
         tq, tk = case.total_q, case.total_kv
-        one = dataclasses.replace(case, segments=(Segment(tq, tk - tq),))
+        one = case.with_units((Segment(tq, tk - tq),))
         dev = inputs.device
         seen = replace_inputs(inputs, case=one,
                               cu_seqlens_q=torch.tensor([0, tq], dtype=torch.int32, device=dev),
                               cu_seqlens_k=torch.tensor([0, tk], dtype=torch.int32, device=dev))
         res = self.inner.run(one, seen)
-        res.metadata["fault"] = f"{len(case.segments)} segments run as one"
+        res.metadata["fault"] = f"{len(case.units)} segments run as one"
         return res
 
 
@@ -60,13 +59,13 @@ class MultiSegmentFirstOnly(Wrapper):
     ops = UNPAGED
 
     def run(self, case: Case, inputs: Inputs) -> Output:
-        assert isinstance(case, PrefillCase) and isinstance(inputs, PrefillInputs)
-        n = case.segments[0].q_len
+        assert isinstance(inputs, PrefillInputs)
+        n = case.q_lengths[0]
         # the LSE buffer's other rows are never written
         lse = torch.full((case.total_q, case.num_heads), float("nan"), device=inputs.device)
         if n == 0:  # an empty first segment: the one launch has no rows, nothing is written
             return Output(inputs.out.out, lse, wrote_into_guarded=True)
-        first = dataclasses.replace(case, segments=case.segments[:1])
+        first = case.with_units(case.units[:1])
         seen = replace_inputs(inputs, case=first, cu_seqlens_q=inputs.cu_seqlens_q[:2],
                               cu_seqlens_k=inputs.cu_seqlens_k[:2],
                               out=output_window(inputs.out, 0, n))
