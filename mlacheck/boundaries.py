@@ -150,12 +150,9 @@ INDEXER, PAGED_INDEXER = Op.MQA_LOGITS, Op.PAGED_MQA_LOGITS
 
 def _row_selections(case: Case) -> list[int]:
     """Per query row of a sparse-pipeline case, how many positions it selects."""
-    topk = getattr(case, "topk", None)
-    if topk is None or case.op not in PIPELINE_OPS:
+    if case.topk is None or case.op not in PIPELINE_OPS:
         return []
-    cap = getattr(case, "valid_cap", None)
-    counts = [min(v, topk) if cap is None else min(v, topk, cap)
-              for v in case.visible_lengths]  # type: ignore[union-attr]
+    counts = list(case.attended_lengths)
     for r in _lonely_rows(case):
         counts[r] = 0
     return counts
@@ -171,12 +168,11 @@ def _lonely_rows(case: Case) -> list[int]:
 
 
 def _row_below_k(case: Case) -> bool:
-    return any(0 < n < case.topk for n in _row_selections(case))  # type: ignore[union-attr]
+    return any(0 < n < case.topk for n in _row_selections(case))  # type: ignore[operator]
 
 
 def _row_at_k(case: Case) -> bool:
-    return case.op in PIPELINE_OPS and any(
-        v == getattr(case, "topk", -1) for v in case.visible_lengths)  # type: ignore[union-attr]
+    return case.op in PIPELINE_OPS and any(v == case.topk for v in case.visible_lengths)
 
 
 def _empty_row(case: Case) -> bool:
