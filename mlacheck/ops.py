@@ -9,8 +9,11 @@ What a new op touches (as issue 29's indexer logits, top-k and sparse prefill di
    `unit` in `_UNITS`;
 2. mlacheck/spec.py: its case type (a frozen dataclass with `kind`, `op`, `slug` and the shared
    accessors every case has: `units`, `q_lengths`, `kv_lengths`, `paging`, `total_q`,
-   `has_empty`), and its kind in `case_from_dict`; the generic readers (capabilities,
-   footprint, boundaries, localisation, backends) then need nothing new for the shared facts;
+   `has_empty`, `visible_lengths`, `attended_lengths`, `with_units`; the facts a kind may lack,
+   `causal`, `soft_cap`, `topk`, `valid_cap`, `sparse`, `requires_lse`, have their "none"
+   values unless the type sets them), and its kind in `case_from_dict`; the generic readers
+   (capabilities, cost, coverage, footprint, boundaries, localisation, probes, backends) then
+   need nothing new for the shared facts;
 3. mlacheck/inputs.py (its tensors: `build`'s table) and mlacheck/golden/ (its reference:
    `_REFERENCES`): each a table keyed by `case.op`, one entry;
 4. every backend that provides it: an entry in `capabilities()` and in its `run` table (keyed
