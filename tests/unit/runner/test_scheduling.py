@@ -107,7 +107,8 @@ def test_a_worker_gets_its_next_case_only_at_its_last_item(tmp_path: Path) -> No
     assert len(sched.workqueue) == len(NEED) - 2 * len(nodes)
 
 
-def test_without_gpus_the_queue_order_is_kept(tmp_path: Path) -> None:
+def _cpu_scheduler():  # noqa: ANN202
+    """Two workers without GPUs, both collected, the first hand-out done."""
     sched = case_scheduler(FakeConfig(2), None, NEED, None)
     nodes = [FakeNode("gw0"), FakeNode("gw1")]
     collection = [f"suite.py::test_mla[b-{case}]@{case}" for case in NEED]
@@ -115,6 +116,11 @@ def test_without_gpus_the_queue_order_is_kept(tmp_path: Path) -> None:
         sched.add_node(node)
         sched.add_node_collection(node, collection)
     sched.schedule()
+    return sched, nodes, collection
+
+
+def test_without_gpus_the_queue_order_is_kept(tmp_path: Path) -> None:
+    sched, nodes, collection = _cpu_scheduler()
     assert [_cases(n, collection) for n in nodes] == [["big1", "big3"], ["big2", "big4"]]
 
 
@@ -132,13 +138,7 @@ def test_two_crashed_workers_and_their_replacements_keep_the_run_going() -> None
     replacements exist and one reports, scheduling must not hand work to the other before
     its collection is in (it raised KeyError: INTERNALERROR, the H100 nightly ended after
     two kernel crashes, 2026-11-26)."""
-    sched = case_scheduler(FakeConfig(2), None, NEED, None)
-    nodes = [FakeNode("gw0"), FakeNode("gw1")]
-    collection = [f"suite.py::test_mla[b-{case}]@{case}" for case in NEED]
-    for node in nodes:
-        sched.add_node(node)
-        sched.add_node_collection(node, collection)
-    sched.schedule()
+    sched, nodes, collection = _cpu_scheduler()
     crashed = [sched.remove_node(n) for n in nodes]  # both die on their first item
     assert all(c is not None for c in crashed)
     fresh = [FakeNode("gw2"), FakeNode("gw3")]
