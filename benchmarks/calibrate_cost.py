@@ -22,6 +22,7 @@ from pathlib import Path
 
 from mlacheck import cost
 from mlacheck.matrices import load
+from mlacheck.verdict import executed
 
 MIN_ESTIMATE_S = 1e-4
 MIN_ITEMS = 3
@@ -34,7 +35,8 @@ def ratios(results: str, matrix: str, seed: int) -> dict[tuple[str, str], list[f
         rec = json.loads(line)
         kernel = (rec.get("timings") or {}).get("kernel")
         case = cases.get(rec.get("case_id", ""))
-        if kernel is None or case is None or rec.get("status") not in ("PASS", "FAIL"):
+        # a kernel that ran to its end (a CRASH has no kernel time)
+        if kernel is None or case is None or not executed(rec.get("status", "")):
             continue
         est = cost.kernel_s(case, rec["backend"], "cuda", calibrated=False)
         if est >= MIN_ESTIMATE_S:
