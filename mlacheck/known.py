@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mlacheck import indexer_cache
 from mlacheck.spec import Case, DecodeCase, Op, PagedIndexerCase, Placement, Quant, Request
 
 
@@ -90,8 +89,7 @@ def aiter_triton_block_offset_past_int32(case: Case) -> bool:
     assert isinstance(case, PagedIndexerCase)
     placement: Placement = case.placement
     return (placement.kind == "high" and placement.offset_bits == 32
-            and placement.offset_bytes >= 2**31
-            and indexer_cache.page_bytes(case.page_size, case.head_dim) > 0)
+            and placement.offset_bytes >= 2**31)
 
 
 # Finding 2's minimal case on gfx942: 32 bf16 heads fold into two pseudo-batches.
