@@ -25,7 +25,10 @@ What differs is read from the installed library: 0.7.x's MLA `plan` takes
 different strides ("k/v strides must be identical", csrc/batch_prefill.cu), which K 192 and
 V 128 pools always are; the fa3 (sm_90) paged prefill of both lines takes only head_dim_qk ==
 head_dim_vo (cudaErrorNotSupported otherwise, hopper/prefill_sm90.cuh; measured on the H100),
-so FlashInfer's paged prefill runs here with 0.7.x's fa2 only.
+so FlashInfer's paged prefill runs here with 0.7.x's fa2 only. 0.7.x's prefill `run` takes
+per-tensor `k_scale` / `v_scale`: fa2 runs an fp8_e4m3fn K/V under a 16-bit q (k_scale folded
+into sm_scale, v_scale multiplied into the output by FlashInfer's Python); FP8 q is refused by
+both kernels for MLA's head dims (FP8_PREFILL_REASONS_07 quotes the sources).
 
 FlashInfer returns the LSE in base 2 (log2 of the sum of exp): converted to the natural log
 here (x ln 2). The softmax scale is always passed. Every installed function is checked
@@ -38,11 +41,12 @@ from __future__ import annotations
 
 import inspect
 import re
+from typing import Any
 
 import torch
 
 from mlacheck import layouts
-from mlacheck.backends.base import Capability, Output, adapter_choice
+from mlacheck.backends.base import Capability, Output
 from mlacheck.backends.toolkit import (
     LibraryAdapter,
     Loaded,
@@ -112,6 +116,37 @@ PREFILL_FP8_REASON = {  # 0.2.x, measured on the H100
     "q_formats": "'fp8 tensor core is not supported in fa2 backend' (0.2.14.post1, measured)",
     "kv_formats": "'fp8 tensor core is not supported in fa2 backend' (0.2.14.post1, measured)",
 }
+# FP8 KV in the ragged / paged prefill (0.7.x): run() keywords, used only when present. Read in
+# flashinfer-python 0.7.2.post1 (flashinfer/prefill.py): the ragged run (l. 5881-5890) and the
+# paged run (l. 4027-4033) take q_scale / k_scale / v_scale; with a 16-bit q over FP8 K/V, fa2 /
+# fa3 fold k_scale into sm_scale (ragged l. 5997-6006, paged l. 4322-4326) and multiply the
+# output by v_scale after the kernel, leaving the LSE as is (ragged l. 6466-6469, paged l. 4626-
+# 4631). One float per tensor: per-token scales have no place there.
+PREFILL_FP8_RUN_PARAMETERS = ("k_scale", "v_scale")
+PREFILL_FP8_KV_PAIRS = (("bf16", FP8_KV_FORMAT), ("fp16", FP8_KV_FORMAT))
+_FP8_Q_HEAD_DIMS = ("fa3's FP8 prefill (FP8 q and K/V) needs head_dim_qk == head_dim_vo: "
+                    "static_assert in csrc/batch_prefill_fp8_sm90.cu:156 (ragged) and :268 (paged) "
+                    "of 0.7.2.post1; MLA's are 192 / 128")
+FP8_PREFILL_REASONS_07 = {  # by kernel; what 0.7.2.post1's sources refuse
+    "fa2": {
+        "q_formats": "FlashInfer's fa2 prefill has no FP8 q: 'fp8 tensor core is not supported in "
+                     "fa2 backend' (flashinfer/jit/attention/modules.py:1042, and `assert not "
+                     "is_float8(q)` in the paged run, prefill.py:837; 0.7.2.post1)",
+        "kv_formats": "FlashInfer's FP8 is fp8_e4m3fn / fp8_e5m2 (is_float8, flashinfer/utils.py:"
+                      "200); fnuz formats are AMD's",
+        "format_pairs": "fa2 takes FP8 K/V under a 16-bit q only (flashinfer/prefill.py:5997)",
+        "per_token_scales": "run() takes one k_scale / v_scale per tensor (a float folded into "
+                            "sm_scale / multiplied into the output, flashinfer/prefill.py:6005, "
+                            "6469)",
+    },
+    "fa3": {
+        "q_formats": _FP8_Q_HEAD_DIMS,
+        "kv_formats": "FlashInfer's FP8 is fp8_e4m3fn / fp8_e5m2 (flashinfer/utils.py:200); fa3 "
+                      "takes FP8 K/V only under FP8 q ('FA3 FP8 KV cache currently requires "
+                      "FP8 query', flashinfer/utils.py:492; the sm_90 QK GMMA is DTypeQ x DTypeKV, "
+                      "include/flashinfer/attention/hopper/kernel_traits.cuh:76), and " + _FP8_Q_HEAD_DIMS,
+    },
+}
 # FlashInfer's "infinity" is finite: math::inf = 5e4 (include/flashinfer/math.cuh). A row that
 # sees no key (a request with kv_len 0, planned as zero-length work in MLAPlan) keeps m = -5e4
 # (mla.cuh init_states_) and gets output 0 and LSE -5e4 + log2(d): measured on the H100 with
@@ -150,6 +185,17 @@ def takes_fp8_kv(got: Loaded) -> bool:
             and all(p in run.parameters for p in FP8_RUN_PARAMETERS))
 
 
+def takes_fp8_kv_prefill(got: Loaded, op: str = Op.PREFILL) -> bool:
+    """The installed prefill wrapper of `op` takes per-tensor k_scale / v_scale in run (0.7.x's
+    ragged and paged; 0.2.14's paged run has them too, but its fa2 paged prefill is refused)."""
+    run = next(f for f in OP_FUNCTIONS[op] if f.endswith(".run"))
+    try:
+        params = inspect.signature(got.function(run)).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return all(p in params for p in PREFILL_FP8_RUN_PARAMETERS)
+
+
 def load() -> Loaded | str:
     """Import FlashInfer and check the installed signatures; a one-line reason otherwise."""
     return load_library(MODULE, distributions=DISTRIBUTIONS, install_hint=INSTALL_HINT,
@@ -178,21 +224,19 @@ class FlashInferBackend(LibraryAdapter):
             return {op: Capability(refusal=got) for op in OP_FUNCTIONS}
         same = {(f, f) for f in DECODE_FORMATS}
         decode_q, decode_kv, scales = DECODE_FORMATS, DECODE_FORMATS, None
-        fp8_note, reasons, prefill_reasons = "", NO_FP8_REASONS, PREFILL_FP8_REASON
+        fp8_note, reasons = "", NO_FP8_REASONS
         if takes_fp8_kv(got):
             same.add(("bf16", FP8_KV_FORMAT))
             decode_kv, scales = (*DECODE_FORMATS, FP8_KV_FORMAT), ("unit", "amax")
             fp8_note = "; fp8_e4m3fn KV under bf16 q: scale_mode=kv-per-tensor, ckv/kpe_scale"
             reasons = FP8_REASONS
-            prefill_reasons = dict.fromkeys(("q_formats", "kv_formats"), adapter_choice(
-                f"FP8 prefill of {got.version} (q/k/v_scale) not wired yet"))
         problem = {op: got.first_problem(fns) for op, fns in OP_FUNCTIONS.items()}
         decode = dict(
             q_formats=decode_q, kv_formats=decode_kv, format_pairs=frozenset(same),
             scale_policies=scales, lse=True, empty_requests=True, devices=("cuda",),
             layouts=(layouts.LINEAR.name,),  # ckv / kpe are strided views of linear pages
             reasons=reasons)
-        prefill_pairs = frozenset((f, f) for f in PREFILL_FORMATS)
+        prefill = {op: self._prefill_formats(got, op) for op in (Op.PREFILL, Op.PAGED_PREFILL)}
         return {
             Op.DECODE: Capability(
                 **decode, causal=(True,), refusal=problem[Op.DECODE],
@@ -204,22 +248,39 @@ class FlashInferBackend(LibraryAdapter):
                       "pool viewed as flat tokens, one request per query token, its valid top-k "
                       "global slots as kv_indices, causal off; LSE base 2 -> natural" + fp8_note),
             Op.PREFILL: Capability(
-                q_formats=PREFILL_FORMATS, kv_formats=PREFILL_FORMATS, format_pairs=prefill_pairs,
+                **prefill[Op.PREFILL][0],
                 soft_cap=True, lse=True, empty_requests=True, devices=("cuda",),
-                reasons=prefill_reasons, refusal=problem[Op.PREFILL],
+                refusal=problem[Op.PREFILL],
                 notes=f"BatchPrefillWithRaggedKVCacheWrapper backend={self.kernel}, q/k 192, "
-                      "v 128; LSE base 2 -> natural"),
+                      "v 128; LSE base 2 -> natural" + prefill[Op.PREFILL][1]),
             Op.PAGED_PREFILL: Capability(
-                q_formats=PREFILL_FORMATS, kv_formats=PREFILL_FORMATS, format_pairs=prefill_pairs,
+                **prefill[Op.PAGED_PREFILL][0],
                 soft_cap=True, lse=True, empty_requests=True, devices=("cuda",),
                 layouts=(layouts.LINEAR.name,),
-                reasons={**prefill_reasons,
-                         "layouts": "FlashInfer's paged KV cache is NHD / HND pages"},
                 refusal=problem[Op.PAGED_PREFILL] or self._paged_prefill_refusal(got),
                 notes=f"BatchPrefillWithPagedKVCacheWrapper backend={self.kernel}, NHD, "
                       "head_dim_qk 192 / head_dim_vo 128 over mlacheck's K and V pools as they "
-                      "are; LSE base 2 -> natural"),
+                      "are; LSE base 2 -> natural" + prefill[Op.PAGED_PREFILL][1]),
         }
+
+    def _prefill_formats(self, got: Loaded, op: str) -> tuple[dict[str, Any], str]:
+        """The format fields of a prefill op's Capability (with their reasons) and a note: 16-bit
+        only, plus fp8_e4m3fn K/V under a 16-bit q where the installed run() takes the scales
+        (0.7.x) and the kernel has that path (fa2)."""
+        same = [(f, f) for f in PREFILL_FORMATS]
+        reasons: dict[str, str] = dict(PREFILL_FP8_REASON)
+        if takes_fp8_kv_prefill(got, op):
+            reasons = dict(FP8_PREFILL_REASONS_07[self.kernel])
+        if op == Op.PAGED_PREFILL:
+            reasons["layouts"] = "FlashInfer's paged KV cache is NHD / HND pages"
+        fields: dict[str, Any] = dict(q_formats=PREFILL_FORMATS, kv_formats=PREFILL_FORMATS,
+                            format_pairs=frozenset(same), reasons=reasons)
+        if self.kernel != "fa2" or not takes_fp8_kv_prefill(got, op):
+            return fields, ""
+        fields.update(kv_formats=(*PREFILL_FORMATS, FP8_KV_FORMAT),
+                      format_pairs=frozenset(same + list(PREFILL_FP8_KV_PAIRS)))
+        return fields, ("; fp8_e4m3fn K/V under a 16-bit q: per-tensor k_scale / v_scale in run "
+                        "(FlashInfer folds k_scale into sm_scale and scales the output by v_scale)")
 
     def _paged_prefill_refusal(self, got: Loaded) -> str | None:
         if self.kernel == "fa3":  # measured on the H100: every paged case raised this error
@@ -321,10 +382,12 @@ class FlashInferBackend(LibraryAdapter):
             head_dim_vo=d.v_head, causal=case.causal,
             logits_soft_cap=case.soft_cap if case.soft_cap > 0 else None,
             sm_scale=case.softmax_scale, q_data_type=q.dtype, kv_data_type=k.dtype)
-        out, lse = wrapper.run(q=q, k=k, v=v, out=inputs.out.out, return_lse=True)
+        scales = kv_scales(k, inputs.k.scale, inputs.v.scale)
+        out, lse = wrapper.run(q=q, k=k, v=v, out=inputs.out.out, return_lse=True, **scales)
         lse = lse_tokens_heads(lse_natural(lse, LSE_BASE), case.total_q, case.num_heads)
-        return Output(out, lse if case.return_lse else None,
-                      wrote_into_guarded=out.data_ptr() == inputs.out.out.data_ptr())
+        return _with_scales(Output(out, lse if case.return_lse else None,
+                                   wrote_into_guarded=out.data_ptr() == inputs.out.out.data_ptr()),
+                            scales)
 
     def _paged_prefill(self, got: Loaded, case: PrefillCase, inputs: PrefillInputs) -> Output:
         assert inputs.k_pool is not None and inputs.v_pool is not None
@@ -343,11 +406,27 @@ class FlashInferBackend(LibraryAdapter):
             page_size=table.page_size, head_dim_vo=d.v_head, causal=case.causal,
             logits_soft_cap=case.soft_cap if case.soft_cap > 0 else None,
             sm_scale=case.softmax_scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+        scales = kv_scales(k_cache, inputs.k_pool.scale, inputs.v_pool.scale)
         out, lse = wrapper.run(q=q, paged_kv_cache=(k_cache, v_cache), out=inputs.out.out,
-                               return_lse=True)
+                               return_lse=True, **scales)
         lse = lse_tokens_heads(lse_natural(lse, LSE_BASE), case.total_q, case.num_heads)
-        return Output(out, lse if case.return_lse else None,
-                      wrote_into_guarded=out.data_ptr() == inputs.out.out.data_ptr())
+        return _with_scales(Output(out, lse if case.return_lse else None,
+                                   wrote_into_guarded=out.data_ptr() == inputs.out.out.data_ptr()),
+                            scales)
+
+
+def kv_scales(k: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> dict[str, float]:
+    """The prefill run()'s FP8 keywords: each per-tensor dequantisation scale as the float
+    FlashInfer takes (none for a 16-bit K/V; a per-token scale raises: one float per tensor)."""
+    if k.element_size() != 1:
+        return {}
+    return dict(zip(PREFILL_FP8_RUN_PARAMETERS, (float(k_scale), float(v_scale)), strict=True))
+
+
+def _with_scales(out: Output, scales: dict[str, float]) -> Output:
+    if scales:
+        out.metadata.setdefault("flashinfer", {})["kv_scales"] = scales
+    return out
 
 
 def factory() -> FlashInferBackend:

@@ -9,7 +9,10 @@ compiling; `--archive` packs them (5-6 MB as tar.xz) to restore on the next mach
 with flashinfer-python 0.2.14.post1 (docs/flashinfer.md). The generators follow the installed
 release: 0.7.x builds its fa2 batch prefill as two modules (`prefill._gen_batch_prefill_
 primary_module` and, for paged K/V caches of unequal strides, `_gen_batch_prefill_
-independent_paged_module`), and its MLA decode has an fp8_e4m3fn-KV variant under bf16 q.
+independent_paged_module`), its MLA decode has an fp8_e4m3fn-KV variant under bf16 q, and its
+fa2 prefill runs fp8_e4m3fn K/V under bf16 q (modules of their own). Modules already installed
+(an unpacked archive) are not built again (`build_jit_specs(skip_prebuilt=True)`), so a new
+variant costs only its own build, and `--archive` then packs old and new together.
 
     python -m mlacheck.tools.flashinfer_prebuild [--archive aot.tar.xz]
 """
@@ -38,11 +41,12 @@ FA2_PREFILL_07 = ("prefill._gen_batch_prefill_primary_module",
 
 
 def variants(dims: MLADims | None = None, *, split_fa2_prefill: bool = False,
-             fp8_kv: bool = False) -> list[tuple[str, dict[str, Any]]]:
+             fp8_kv: bool = False, fp8_kv_prefill: bool = False) -> list[tuple[str, dict[str, Any]]]:
     """(generator, its keyword arguments) for every module the backends' calls select:
     kernel x dtype for MLA decode (+ bf16 q over fp8_e4m3fn KV where the release has it), and
     x soft cap off/on for the batch prefill (ragged and paged runs share a module; 0.7.x's fa2
-    splits it in two: `split_fa2_prefill`). A generator is a dotted name under `flashinfer`."""
+    splits it in two: `split_fa2_prefill`; + fa2's bf16 q over fp8_e4m3fn K/V: `fp8_kv_prefill`,
+    the pair mlacheck's matrices draw). A generator is a dotted name under `flashinfer`."""
     import torch
 
     dims = dims or MLADims()
@@ -57,12 +61,14 @@ def variants(dims: MLADims | None = None, *, split_fa2_prefill: bool = False,
                 backend=kernel, dtype_q=dq, dtype_kv=dkv, dtype_o=dq, dtype_idx=torch.int32,
                 head_dim_ckv=dims.kv_lora_rank, head_dim_kpe=dims.qk_rope, use_profiler=False)))
         generators = FA2_PREFILL_07 if split_fa2_prefill and kernel == "fa2" else (PREFILL,)
-        for fmt in PREFILL_FORMATS:
-            dt = dtypes[fmt]
+        prefill_pairs = [(dtypes[f], dtypes[f]) for f in PREFILL_FORMATS]
+        if fp8_kv_prefill and kernel == "fa2":
+            prefill_pairs.append((torch.bfloat16, torch.float8_e4m3fn))
+        for dq, dkv in prefill_pairs:
             for soft_cap in (False, True):
                 for gen in generators:
                     out.append((gen, dict(
-                        backend=kernel, dtype_q=dt, dtype_kv=dt, dtype_o=dt,
+                        backend=kernel, dtype_q=dq, dtype_kv=dkv, dtype_o=dq,
                         dtype_idx=torch.int32, head_dim_qk=dims.qk_head, head_dim_vo=dims.v_head,
                         pos_encoding_mode=0, use_sliding_window=False,
                         use_logits_soft_cap=soft_cap, use_fp16_qk_reduction=False)))
@@ -84,8 +90,9 @@ def installed_variants() -> list[tuple[str, dict[str, Any]]]:
     prefill = importlib.import_module("flashinfer.prefill")
     got = adapter.load()
     fp8_kv = not isinstance(got, str) and adapter.takes_fp8_kv(got)
+    fp8_kv_prefill = not isinstance(got, str) and adapter.takes_fp8_kv_prefill(got)
     return variants(split_fa2_prefill=all(hasattr(prefill, g.split(".")[1]) for g in FA2_PREFILL_07),
-                    fp8_kv=fp8_kv)
+                    fp8_kv=fp8_kv, fp8_kv_prefill=fp8_kv_prefill)
 
 
 def resolve(generator: str) -> Any:

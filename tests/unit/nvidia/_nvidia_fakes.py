@@ -179,7 +179,9 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
     `version`: "0.2.14" (flashinfer-python 0.2.14.post1: no FP8 MLA; the fa2 paged prefill
     refuses K/V caches of different strides, as csrc/batch_prefill.cu does) or "0.7"
     (0.7.2.post1: `plan(scale_mode=)` and `run(ckv_scale=, kpe_scale=)` for an fp8_e4m3fn KV
-    cache under bf16 q; unequal K/V strides taken)."""
+    cache under bf16 q; unequal K/V strides taken; the prefills' `run(k_scale=, v_scale=)` for
+    FP8 K/V under a 16-bit q, as flashinfer/prefill.py applies them: k_scale into sm_scale, the
+    output times v_scale after the kernel; FP8 q refused by fa2's JIT generator)."""
     root, mla, prefill = (types.ModuleType(n) for n in
                           ("flashinfer", "flashinfer.mla", "flashinfer.prefill"))
     root.__version__ = f"{version}+fake"
@@ -233,11 +235,27 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
                 lse_out[lo:hi] = l if bug == "lse-natural" else l * log2e
             return (out, lse_out) if return_lse else out
 
+    def check_dtypes(backend: str, q_data_type: Any, kv_data_type: Any) -> None:
+        """What 0.7.2.post1's plan meets: fa2's generator asserts on FP8 q
+        (jit/attention/modules.py:1042); 0.2.14 has no FP8 prefill at all."""
+        fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+        if q_data_type in fp8 or (kv_data_type in fp8 and not new_api):
+            raise AssertionError("fp8 tensor core is not supported in fa2 backend")
+
+    def kv_scales(backend: str, q: torch.Tensor, k: torch.Tensor, k_scale: Any,
+                  v_scale: Any) -> tuple[float, float]:
+        """(score factor, output factor): prefill.py's `apply_kv_scales` (fa2 / fa3, FP8 K/V
+        under a 16-bit q); `bug="ignores-kv-scale"` drops them."""
+        if bug == "ignores-kv-scale" or k.element_size() != 1 or q.element_size() == 1:
+            return 1.0, 1.0
+        return (1.0 if k_scale is None else k_scale), (1.0 if v_scale is None else v_scale)
+
     class BatchPrefillWithRaggedKVCacheWrapper:
         def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False,  # noqa: ANN001
                      qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None,
                      mask_indptr_buf=None, backend="auto", jit_args=None):
             self.plan_args: dict[str, Any] = {}
+            self.backend = backend
 
         def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk,  # noqa: ANN001, ANN201
                  head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False,
@@ -245,12 +263,19 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
                  logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None,
                  q_data_type="float16", kv_data_type=None, non_blocking=True,
                  prefix_len_ptr=None, token_pos_in_items_ptr=None,
-                 token_pos_in_items_len=0, max_item_len_ptr=None):
+                 token_pos_in_items_len=0, max_item_len_ptr=None, **new):
+            assert set(new) <= ({"o_data_type"} if new_api else set()), new
+            check_dtypes(self.backend, q_data_type, kv_data_type)
             self.plan_args = dict(qo=qo_indptr.tolist(), kv=kv_indptr.tolist(), causal=causal,
-                                  cap=logits_soft_cap or 0.0, scale=sm_scale)
+                                  cap=logits_soft_cap or 0.0, scale=sm_scale,
+                                  dtypes=(q_data_type, kv_data_type))
 
-        def run(self, q, k, v, *args, out=None, lse=None, return_lse=False, enable_pdl=None):  # noqa: ANN001, ANN201
+        def run(self, q, k, v, *args, out=None, lse=None, return_lse=False, enable_pdl=None,  # noqa: ANN001, ANN201
+                **new):
+            assert set(new) <= ({"q_scale", "k_scale", "v_scale", "o_scale"} if new_api else set())
             a = self.plan_args
+            assert (q.dtype, k.dtype) == a["dtypes"]  # _check_cached_qkv_data_type
+            s_k, s_v = kv_scales(self.backend, q, k, new.get("k_scale"), new.get("v_scale"))
             out = torch.empty(*q.shape[:2], v.shape[-1], dtype=q.dtype) if out is None else out
             lse_out = torch.empty(q.shape[:2], dtype=torch.float32)
             for r in range(len(a["qo"]) - 1):
@@ -258,9 +283,11 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
                 if qhi == qlo:
                     continue
                 causal = a["causal"] and bug != "ignores-causal"
-                o, l = attend(q[qlo:qhi], k[klo:khi], v[klo:khi], a["scale"], causal, a["cap"])
+                o, l = attend(q[qlo:qhi], k[klo:khi], v[klo:khi], a["scale"] * s_k, causal, a["cap"])
                 out[qlo:qhi] = o.to(out.dtype)
                 lse_out[qlo:qhi] = l * log2e
+            if s_v != 1.0:  # after the kernel, in the output's dtype (prefill.py:6469)
+                out *= s_v
             return (out, lse_out) if return_lse else out
 
     class BatchPrefillWithPagedKVCacheWrapper:
@@ -280,7 +307,9 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
                  q_data_type="float16", kv_data_type=None, non_blocking=True,
                  prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0,
                  max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None,
-                 max_token_per_sequence=None, max_sequence_kv=None):
+                 max_token_per_sequence=None, max_sequence_kv=None, **new):
+            assert set(new) <= ({"o_data_type"} if new_api else set()), new
+            check_dtypes(self.backend, q_data_type, kv_data_type)
             indptr = paged_kv_indptr.tolist()
             last = paged_kv_last_page_len.tolist()
             lens = [(indptr[r + 1] - indptr[r] - 1) * page_size + last[r]
@@ -301,6 +330,7 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
                 raise RuntimeError("BatchPrefillWithPagedKVCacheSM90Run failed with error: "
                                    "operation not supported")
             assert (k_cache.shape[-1], v_cache.shape[-1]) == a["dims"]
+            s_k, s_v = kv_scales(self.backend, q, k_cache, k_scale, v_scale)
             out = torch.empty(*q.shape[:2], v_cache.shape[-1], dtype=q.dtype) if out is None else out
             lse_out = torch.empty(q.shape[:2], dtype=torch.float32)
             for r, n in enumerate(a["lens"]):
@@ -309,11 +339,13 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
                     continue
                 pages = a["kvi"][a["kvp"][r]: a["kvp"][r + 1]]
                 whole = n if bug != "reads-whole-last-page" else len(pages) * a["ps"]
-                k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:whole]
-                v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:whole]
-                o, l = attend(q[lo:hi], k, v, a["scale"], a["causal"], a["cap"])
+                k = _take(k_cache, pages).reshape(-1, *k_cache.shape[2:])[:whole]
+                v = _take(v_cache, pages).reshape(-1, *v_cache.shape[2:])[:whole]
+                o, l = attend(q[lo:hi], k, v, a["scale"] * s_k, a["causal"], a["cap"])
                 out[lo:hi] = o.to(out.dtype)
                 lse_out[lo:hi] = l * log2e
+            if s_v != 1.0:  # prefill.py:4631
+                out *= s_v
             return (out, lse_out) if return_lse else out
 
     mla.BatchMLAPagedAttentionWrapper = BatchMLAPagedAttentionWrapper
@@ -322,6 +354,10 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
     # what inspect.signature shows: 0.7's keyword-only FP8 parameters, none in 0.2.14
     _add_keywords(BatchMLAPagedAttentionWrapper.plan, ("scale_mode",) if new_api else ())
     _add_keywords(BatchMLAPagedAttentionWrapper.run, ("ckv_scale", "kpe_scale") if new_api else ())
+    _add_keywords(BatchPrefillWithRaggedKVCacheWrapper.run,
+                  ("q_scale", "k_scale", "v_scale", "o_scale") if new_api else ())
+    for wrapper in (BatchPrefillWithRaggedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper):
+        _add_keywords(wrapper.plan, ("o_data_type",) if new_api else ())
     return {"flashinfer": root, "flashinfer.mla": mla, "flashinfer.prefill": prefill}
 
 

@@ -27,7 +27,8 @@ def _fake_jit(root: Path) -> types.ModuleType:
     def gen_batch_prefill_module(backend, dtype_q, dtype_kv, dtype_o, dtype_idx,  # noqa: ANN001, ANN202
                                  head_dim_qk, head_dim_vo, pos_encoding_mode, use_sliding_window,
                                  use_logits_soft_cap, use_fp16_qk_reduction):
-        return spec(f"prefill_{backend}_{dtype_q}_{head_dim_qk}_{head_dim_vo}_cap"
+        kv = "" if dtype_kv == dtype_q else f"_kv_{dtype_kv}"
+        return spec(f"prefill_{backend}_{dtype_q}{kv}_{head_dim_qk}_{head_dim_vo}_cap"
                     f"{use_logits_soft_cap}".replace("torch.", ""))
 
     def build_jit_specs(specs, verbose=False, skip_prebuilt=True):  # noqa: ANN001, ANN202
@@ -96,3 +97,33 @@ def test_07_builds_fa2_prefill_as_its_two_modules_and_the_fp8_kv_decode(tmp_path
     assert len(installed) == len(set(jit.built)) == 18
     assert "mla_fa2_bfloat16_float8_e4m3fn_512_64" in jit.built
     assert sum(n.startswith("prefill_fa2_independent") for n in jit.built) == 4
+
+
+def test_07_fp8_kv_prefill_adds_fa2_modules_and_builds_only_what_is_missing(
+        tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Where the installed prefill run() takes k_scale / v_scale, fa2 gets bf16-q / fp8_e4m3fn-K/V
+    prefill modules (x soft cap, ragged/paged-equal primary + independent-stride paged); fa3 none
+    (its FP8 prefill needs FP8 q and equal head dims). Installed modules are not rebuilt."""
+    import torch
+
+    vs = flashinfer_prebuild.variants(split_fa2_prefill=True, fp8_kv=True, fp8_kv_prefill=True)
+    fp8 = [(g, kw) for g, kw in vs if g != flashinfer_prebuild.MLA
+           and kw["dtype_kv"] == torch.float8_e4m3fn]
+    assert len(fp8) == 4 and {kw["backend"] for _, kw in fp8} == {"fa2"}
+    assert {g for g, _ in fp8} == set(flashinfer_prebuild.FA2_PREFILL_07)
+    assert all(kw["dtype_q"] == kw["dtype_o"] == torch.bfloat16 for _, kw in fp8)
+    assert len(vs) == 22
+    # the real build_jit_specs skips specs whose aot_path exists: the tool relies on it
+    jit = _fake_jit(tmp_path)
+    real_build = jit.build_jit_specs
+
+    def build_missing(specs, verbose=False, skip_prebuilt=True):  # noqa: ANN001, ANN202
+        real_build([s for s in specs if not (skip_prebuilt and s.aot_path.exists())], verbose)
+    jit.build_jit_specs = build_missing
+    _install(monkeypatch, jit, types.ModuleType("flashinfer.prefill"))
+    monkeypatch.setattr(flashinfer_prebuild.adapter_module(), "load", lambda: object())
+    monkeypatch.setattr(flashinfer_prebuild.adapter_module(), "takes_fp8_kv_prefill", lambda got: True)
+    first = flashinfer_prebuild.prebuild()
+    assert "prefill_fa2_bfloat16_kv_float8_e4m3fn_192_128_capTrue" in jit.built
+    jit.built.clear()
+    assert flashinfer_prebuild.prebuild() == first and jit.built == []

@@ -235,3 +235,103 @@ def test_flashinfer_07_takes_an_fp8_kv_cache_under_bf16_q(
     install(monkeypatch, fake_flashinfer(version="0.2.14"))
     v = run_case(case, on_cpu(flashinfer.FlashInferBackend()), RunOptions("cpu"))
     assert v.status == "SKIP" and "fp8_e4m3fn" in v.reason and "0.7.x has one" in v.reason
+
+
+# --------------------------------------------------------------------------- 0.7's FP8 prefill:
+# fp8_e4m3fn K/V under a 16-bit q on fa2, per-tensor k_scale / v_scale by keyword
+
+FP8_KV_PREFILL = [
+    PrefillCase(segments=(Segment(20, 40), Segment(0, 3), Segment(7, 0)),
+                quant=Quant("bf16", "fp8_e4m3fn", "amax")),
+    PrefillCase(segments=(Segment(16, 0),), quant=Quant("bf16", "fp8_e4m3fn", "unit"),
+                soft_cap=30.0, causal=False),
+    PrefillCase(segments=(Segment(20, 44), Segment(0, 9), Segment(5, 0)),
+                quant=Quant("bf16", "fp8_e4m3fn", "amax"), paging=Paging(16)),
+    PrefillCase(segments=(Segment(33, 100),), quant=Quant("bf16", "fp8_e4m3fn", "unit"),
+                soft_cap=30.0, paging=Paging(1)),
+]
+
+
+def _recording_runs(fi: dict) -> list[dict]:
+    """Record the keywords each prefill wrapper's run() gets (signature kept for the checks)."""
+    import inspect
+
+    seen: list[dict] = []
+    for name in ("BatchPrefillWithRaggedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"):
+        cls = getattr(fi["flashinfer.prefill"], name)
+        real = cls.run
+
+        def run(self, *args, _real=real, **kwargs):  # noqa: ANN001, ANN202
+            seen.append(kwargs)
+            return _real(self, *args, **kwargs)
+        run.__signature__ = inspect.signature(real)
+        cls.run = run
+    return seen
+
+
+@pytest.mark.parametrize("case", FP8_KV_PREFILL, ids=lambda c: c.id)
+def test_flashinfer_07_fa2_prefill_takes_fp8_kv_with_its_per_tensor_scales(
+        monkeypatch: pytest.MonkeyPatch, case: PrefillCase) -> None:
+    fi = fake_flashinfer(version="0.7")
+    seen = _recording_runs(fi)
+    install(monkeypatch, fi)
+    v = run_case(case, on_cpu(flashinfer.FlashInferBackend("fa2")), RunOptions("cpu"))
+    assert v.status == "PASS", v.reason
+    inputs = build(case)
+    k, vv = ((inputs.k_pool, inputs.v_pool) if case.paging else (inputs.k, inputs.v))
+    want = {"k_scale": float(k.scale), "v_scale": float(vv.scale)}
+    assert seen and all({n: kw[n] for n in want} == want for kw in seen), seen
+    assert all(isinstance(kw["k_scale"], float) for kw in seen)
+    assert v.implementation["flashinfer"]["kv_scales"] == want
+    if case.quant.scale == "amax":
+        assert want["k_scale"] != 1.0 and want["v_scale"] != 1.0  # the scales matter here
+        install(monkeypatch, fake_flashinfer("ignores-kv-scale", version="0.7"))
+        v = run_case(case, on_cpu(flashinfer.FlashInferBackend("fa2")), RunOptions("cpu"))
+        assert v.status == "FAIL", v.reason
+
+
+def test_flashinfer_16_bit_prefill_passes_no_scale_keywords(monkeypatch: pytest.MonkeyPatch) -> None:
+    fi = fake_flashinfer(version="0.7")
+    seen = _recording_runs(fi)
+    install(monkeypatch, fi)
+    for case in (PREFILL_CASES[0], PAGED_CASES[0]):
+        assert run_case(case, on_cpu(flashinfer.FlashInferBackend("fa2")),
+                        RunOptions("cpu")).status == "PASS"
+    assert len(seen) == 2 and not any({"k_scale", "v_scale"} & set(kw) for kw in seen)
+
+
+def _prefill(quant: Quant, paged: bool) -> PrefillCase:
+    return PrefillCase(segments=(Segment(9, 30),), quant=quant,
+                       paging=Paging(16) if paged else None)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["ragged", "paged"])
+@pytest.mark.parametrize(("version", "kernel", "quant", "says"), [
+    ("0.7", "fa2", Quant("fp8_e4m3fn", "fp8_e4m3fn"), "modules.py:1042"),
+    ("0.7", "fa2", Quant("bf16", "fp8_e4m3fnuz"), "fnuz formats are AMD's"),
+    ("0.7", "fa2", Quant("bf16", "fp8_e4m3fn", per_token=True), "one k_scale / v_scale per tensor"),
+    ("0.7", "fa3", Quant("fp8_e4m3fn", "fp8_e4m3fn"), "batch_prefill_fp8_sm90.cu:156"),
+    ("0.7", "fa3", Quant("bf16", "fp8_e4m3fn"), "FA3 FP8 KV cache currently requires FP8 query"),
+    ("0.2.14", "fa2", Quant("bf16", "fp8_e4m3fn"), "0.2.14.post1, measured"),
+], ids=lambda x: getattr(x, "slug", str(x)))
+def test_flashinfer_fp8_prefill_skips_are_the_kernels_refusals_with_their_source(
+        monkeypatch: pytest.MonkeyPatch, version: str, kernel: str, quant: Quant, says: str,
+        paged: bool) -> None:
+    if paged and quant.per_token:
+        pytest.skip("per-token scales are decode-only for paged pools (inputs.build)")
+    install(monkeypatch, fake_flashinfer(version=version))
+    case = _prefill(quant, paged)
+    v = run_case(case, on_cpu(flashinfer.FlashInferBackend(kernel)), RunOptions("cpu"))
+    assert v.status == "SKIP", v.reason
+    assert "adapter:" not in v.reason
+    if not (paged and (kernel == "fa3" or version == "0.2.14")):  # those refuse paged wholesale
+        assert says in v.reason, v.reason
+
+
+def test_flashinfer_07_fa2_fp8_q_refusal_is_real(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forced past the capability, the (fake) library raises what 0.7.2's generator asserts."""
+    install(monkeypatch, fake_flashinfer(version="0.7"))
+    forced = on_cpu(flashinfer.FlashInferBackend("fa2"))
+    forced.capabilities = lambda: {"mla_prefill": Capability(devices=("cpu",))}
+    v = run_case(_prefill(Quant("fp8_e4m3fn", "fp8_e4m3fn"), False), forced, RunOptions("cpu"))
+    assert v.status == "CRASH" and "fp8 tensor core is not supported in fa2 backend" in v.reason
