@@ -15,6 +15,7 @@ fa2 prefill runs fp8_e4m3fn K/V under bf16 q (modules of their own). Modules alr
 variant costs only its own build, and `--archive` then packs old and new together.
 
     python -m mlacheck.tools.flashinfer_prebuild [--archive aot.tar.xz]
+        [--kv-format fp8_e4m3fn] [--prefill-only]   # a subset: e.g. one new variant's modules
 """
 
 from __future__ import annotations
@@ -103,11 +104,26 @@ def resolve(generator: str) -> Any:
     return getattr(importlib.import_module(f"flashinfer.{module}"), attr)
 
 
-def prebuild(archive: Path | None = None) -> list[Path]:
+def selected(chosen: list[tuple[str, dict[str, Any]]], kv_format: str | None = None,
+             prefill_only: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """The variants of one K/V format (an mlacheck format name) and / or of the prefills only."""
+    from mlacheck import fp8
+
+    kv_dtype = fp8.fmt(kv_format).dtype if kv_format else None
+    return [(g, kw) for g, kw in chosen
+            if (kv_dtype is None or kw["dtype_kv"] == kv_dtype)
+            and not (prefill_only and g == MLA)]
+
+
+def prebuild(archive: Path | None = None, kv_format: str | None = None,
+             prefill_only: bool = False) -> list[Path]:
     """Build, install as prebuilt modules, optionally archive; returns the installed files."""
     import flashinfer.jit as jit
 
-    specs = [resolve(gen)(**kwargs) for gen, kwargs in installed_variants()]
+    specs = [resolve(gen)(**kwargs)
+             for gen, kwargs in selected(installed_variants(), kv_format, prefill_only)]
+    if not specs:
+        raise SystemExit("flashinfer_prebuild: no module of the installed release fits the selection")
     start = time.monotonic()
     jit.build_jit_specs(specs, verbose=False)
     print(f"built {len(specs)} modules in {time.monotonic() - start:.0f} s", flush=True)
@@ -131,9 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mlacheck.tools.flashinfer_prebuild",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--archive", type=Path, help="also write the prebuilt modules to this tar.xz")
+    ap.add_argument("--kv-format", help="only the modules of this K/V format (e.g. fp8_e4m3fn)")
+    ap.add_argument("--prefill-only", action="store_true", help="only the prefill modules")
     args = ap.parse_args(argv)
     try:
-        prebuild(args.archive)
+        prebuild(args.archive, args.kv_format, args.prefill_only)
     except ImportError as e:
         print(f"flashinfer_prebuild: FlashInfer is not importable ({e}); docs/flashinfer.md",
               file=sys.stderr)

@@ -9,6 +9,8 @@ import tarfile
 import types
 from pathlib import Path
 
+import pytest
+
 from mlacheck.tools import flashinfer_prebuild
 
 
@@ -33,6 +35,8 @@ def _fake_jit(root: Path) -> types.ModuleType:
 
     def build_jit_specs(specs, verbose=False, skip_prebuilt=True):  # noqa: ANN001, ANN202
         for s in specs:
+            if skip_prebuilt and s.aot_path.exists():  # as 0.7.2's jit/core.py:838 does
+                continue
             s.jit_library_path.parent.mkdir(parents=True, exist_ok=True)
             s.jit_library_path.write_bytes(s.name.encode())
             built.append(s.name)
@@ -113,13 +117,7 @@ def test_07_fp8_kv_prefill_adds_fa2_modules_and_builds_only_what_is_missing(
     assert {g for g, _ in fp8} == set(flashinfer_prebuild.FA2_PREFILL_07)
     assert all(kw["dtype_q"] == kw["dtype_o"] == torch.bfloat16 for _, kw in fp8)
     assert len(vs) == 22
-    # the real build_jit_specs skips specs whose aot_path exists: the tool relies on it
     jit = _fake_jit(tmp_path)
-    real_build = jit.build_jit_specs
-
-    def build_missing(specs, verbose=False, skip_prebuilt=True):  # noqa: ANN001, ANN202
-        real_build([s for s in specs if not (skip_prebuilt and s.aot_path.exists())], verbose)
-    jit.build_jit_specs = build_missing
     _install(monkeypatch, jit, types.ModuleType("flashinfer.prefill"))
     monkeypatch.setattr(flashinfer_prebuild.adapter_module(), "load", lambda: object())
     monkeypatch.setattr(flashinfer_prebuild.adapter_module(), "takes_fp8_kv_prefill", lambda got: True)
@@ -127,3 +125,24 @@ def test_07_fp8_kv_prefill_adds_fa2_modules_and_builds_only_what_is_missing(
     assert "prefill_fa2_bfloat16_kv_float8_e4m3fn_192_128_capTrue" in jit.built
     jit.built.clear()
     assert flashinfer_prebuild.prebuild() == first and jit.built == []
+
+
+def test_a_selection_builds_only_its_modules(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """`--kv-format fp8_e4m3fn --prefill-only`: the FP8-K/V prefill modules, nothing else (what
+    a GPU check of that path needs without the whole archive)."""
+    jit = _fake_jit(tmp_path)
+    _install(monkeypatch, jit, types.ModuleType("flashinfer.prefill"))
+    adapter = flashinfer_prebuild.adapter_module()
+    monkeypatch.setattr(adapter, "load", lambda: object())
+    monkeypatch.setattr(adapter, "takes_fp8_kv", lambda got: True)
+    monkeypatch.setattr(adapter, "takes_fp8_kv_prefill", lambda got: True)
+    assert flashinfer_prebuild.main(["--kv-format", "fp8_e4m3fn", "--prefill-only"]) == 0
+    assert sorted(jit.built) == ["prefill_fa2_bfloat16_kv_float8_e4m3fn_192_128_capFalse",
+                                 "prefill_fa2_bfloat16_kv_float8_e4m3fn_192_128_capTrue"]
+    jit.built.clear()
+    assert flashinfer_prebuild.main(["--kv-format", "fp8_e4m3fn"]) == 0  # + the MLA fp8-KV decode
+    assert len(jit.built) == 2 and all(n.startswith("mla_") for n in jit.built)  # prefill: installed
+    monkeypatch.setattr(adapter, "takes_fp8_kv_prefill", lambda got: False)
+    monkeypatch.setattr(adapter, "takes_fp8_kv", lambda got: False)
+    with pytest.raises(SystemExit):
+        flashinfer_prebuild.main(["--kv-format", "fp8_e4m3fn"])
