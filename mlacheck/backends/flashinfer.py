@@ -118,7 +118,7 @@ PREFILL_FP8_REASON = {  # 0.2.x, measured on the H100
 }
 # FP8 KV in the ragged / paged prefill (0.7.x): run() keywords, used only when present. Read in
 # flashinfer-python 0.7.2.post1 (flashinfer/prefill.py): the ragged run (l. 5881-5890) and the
-# paged run (l. 4027-4033) take q_scale / k_scale / v_scale; with a 16-bit q over FP8 K/V, fa2 /
+# paged run (l. 4027-4034) take q_scale / k_scale / v_scale; with a 16-bit q over FP8 K/V, fa2 /
 # fa3 fold k_scale into sm_scale (ragged l. 5997-6006, paged l. 4322-4326) and multiply the
 # output by v_scale after the kernel, leaving the LSE as is (ragged l. 6466-6469, paged l. 4626-
 # 4631). One float per tensor: per-token scales have no place there.
