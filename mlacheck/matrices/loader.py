@@ -64,6 +64,7 @@ merged) and counted in `Matrix.duplicates_removed`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -188,7 +189,7 @@ def load(name_or_path: str, seed: int | None = None) -> Matrix:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise MatrixError(f"seed must be an int >= 0, got {seed!r}")
     path = _resolve(name_or_path)
-    cases, description, name = _load_file(path, ())
+    cases, description, name = _load_file_cached(path)
     kept: dict[str, MatrixCase] = {}
     for mc in cases:
         case = mc.case if not seed else dataclasses.replace(mc.case, seed=mc.case.seed + seed)
@@ -269,7 +270,36 @@ def _read_yaml(path: Path) -> Any:
             from None
 
 
+# Files read per top-level load, with their contents' digests: a process loads the same
+# matrix more than once (the CLI, then the pytest plugin in the same process), and the
+# nightly's expansion costs seconds (2-4 s of each run's start); a file that changed on disk
+# since is read again (contents, not mtimes: a test rewrites a file within one clock tick).
+_LOADED: dict[Path, tuple[tuple[tuple[Path, str | None], ...], tuple[list[MatrixCase], str, str]]]
+_LOADED = {}
+_READ: list[Path] = []
+
+
+def _stamp(path: Path) -> tuple[Path, str | None]:
+    try:
+        return path, hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return path, None
+
+
+def _load_file_cached(path: Path) -> tuple[list[MatrixCase], str, str]:
+    key = path.resolve()
+    hit = _LOADED.get(key)
+    if hit is not None and all(_stamp(p) == (p, digest) for p, digest in hit[0]):
+        cases, description, name = hit[1]
+        return list(cases), description, name
+    _READ.clear()
+    loaded = _load_file(path, ())
+    _LOADED[key] = (tuple(map(_stamp, _READ)), loaded)
+    return list(loaded[0]), loaded[1], loaded[2]
+
+
 def _load_file(path: Path, stack: tuple[str, ...]) -> tuple[list[MatrixCase], str, str]:
+    _READ.append(path)
     doc = _read_yaml(path)
     where = str(path)
     if not isinstance(doc, dict):

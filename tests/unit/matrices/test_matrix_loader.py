@@ -3,6 +3,7 @@ markers, seeds, include, duplicates) and one-line MatrixErrors for malformed fil
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from pathlib import Path
 
@@ -361,3 +362,44 @@ def test_covering_group_errors(tmp_path: Path, covering: str, extra: str, messag
             {extra}
     """)
     assert message in error_of(path)
+
+
+# --------------------------------------------------------------------------- reuse in a process
+
+
+def test_a_reloaded_file_is_read_again_when_it_or_an_include_changed(tmp_path: Path) -> None:
+    """A process loads a matrix more than once (CLI, then the pytest plugin) and reuses the
+    expansion; an edit of the file or of one it includes — even to the same size within one
+    clock tick — must be seen."""
+    base = write(tmp_path, "base", """
+        groups:
+          - name: g
+            kind: prefill
+            base: {segments: [[64, 0]], num_heads: 8}
+    """)
+    top = write(tmp_path, "top", """
+        include: [base]
+        groups:
+          - name: t
+            kind: prefill
+            base: {segments: [[32, 0]], num_heads: 8}
+    """)
+    first = load(str(top))
+    again = load(str(top))
+    assert [mc.id for mc in again.cases] == [mc.id for mc in first.cases]
+    again.cases.clear()  # a caller's list is its own
+    assert len(load(str(top)).cases) == 2
+    base.write_text(base.read_text().replace("[[64, 0]]", "[[96, 0]]"))  # same size
+    assert {mc.case.segments[0].q_len for mc in load(str(top)).cases} == {96, 32}
+    top.write_text(top.read_text().replace("[[32, 0]]", "[[48, 0]]"))
+    assert {mc.case.segments[0].q_len for mc in load(str(top)).cases} == {96, 48}
+
+
+def test_a_case_id_is_computed_once_and_replace_gives_the_new_one() -> None:
+    case = PrefillCase(segments=(Segment(8, 4),), num_heads=8)
+    assert case.id == case.id and case.identity_json() is case.identity_json()
+    other = dataclasses.replace(case, num_heads=16)
+    assert other.id != case.id
+    assert other.id == PrefillCase(segments=(Segment(8, 4),), num_heads=16).id
+    assert case == PrefillCase(segments=(Segment(8, 4),), num_heads=8)  # the cache is no field
+    assert "_identity_json_cache" not in dataclasses.asdict(case)
