@@ -34,6 +34,8 @@ Deliberate differences from AITER (a model, not the asm kernels):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mlacheck import fp8
@@ -203,14 +205,26 @@ def gather_tokens(buffer: torch.Tensor, pages: torch.Tensor, count: int) -> torc
 
     A negative id (sparse padding) reads page 0 here; callers mask those positions.
     """
+    return gather_pages(buffer, pages[None], count)[0]
+
+
+def gather_pages(buffer: torch.Tensor, pages: torch.Tensor, count: int) -> torch.Tensor:
+    """gather_tokens of every row of `pages` [W, P]: [W, count, *token shape] (one read)."""
     n_pages = buffer.shape[0]
     bad = pages >= n_pages
     if bool(bad.any()):
         raise RuntimeError(f"AITER model: kv index {int(pages[bad][0])} is outside the "
                            f"{n_pages}-page buffer (the kernel would read out of bounds)")
     bits = fp8.int_dtype(buffer.dtype)
-    sel = buffer.view(bits).index_select(0, pages.clamp(min=0).to(buffer.device).long())
-    return sel.view(buffer.dtype).reshape(-1, *buffer.shape[2:])[:count]
+    flat = pages.reshape(-1).clamp(min=0).to(buffer.device).long()
+    sel = buffer.view(bits).index_select(0, flat).view(buffer.dtype)
+    tokens = pages.shape[1] * buffer.shape[1]  # buffer [pages, page size, *token shape]
+    return sel.reshape(pages.shape[0], tokens, *buffer.shape[2:])[:, :count]
+
+
+def _select_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t[rows] as stored (FP8 bytes moved as integers)."""
+    return t.view(fp8.int_dtype(t.dtype)).index_select(0, rows).view(t.dtype)
 
 
 def attend(q: torch.Tensor, kv_tokens: torch.Tensor, scale: float, p_format: str,
@@ -317,6 +331,7 @@ class _Geometry:
                  max_seqlen_q: int, page_size: int, scale: float, kv_factor: float,
                  causal: bool, fold: int) -> None:
         self.q, self.kv, self.kv_indices = q, kv, kv_indices
+        self.kv_indices_host = kv_indices.long().cpu()  # page ids, read once
         self.qo = [int(x) for x in qo_indptr.tolist()]
         self.kv_pages = [int(x) for x in kv_indptr.tolist()]
         self.last = [int(x) for x in last.tolist()]
@@ -326,10 +341,13 @@ class _Geometry:
         self.total_rows, self.heads = q.shape[0], q.shape[1]
         self.fold = fold  # head folding: q rows per original token
 
-    def rows(self, lo: int, hi: int) -> torch.Tensor:
+    def check_rows(self, lo: int, hi: int) -> None:
         check(0 <= lo <= hi <= self.total_rows,
               f"AITER model: query rows {lo}-{hi - 1} outside q's {self.total_rows} rows "
               "(the kernel would read out of bounds)")
+
+    def rows(self, lo: int, hi: int) -> torch.Tensor:
+        self.check_rows(lo, hi)
         return as_chip_values(self.q[lo:hi])
 
     def limits(self, request: int, lo: int, hi: int, n_kv: int, kv_offset: int
@@ -350,53 +368,231 @@ class _Geometry:
 def _run_works(geo: _Geometry, work_indptr: torch.Tensor, work_info_set: torch.Tensor,
                split_data: torch.Tensor, split_lse: torch.Tensor, output: torch.Tensor,
                final_lse: torch.Tensor | None) -> None:
-    """Every work group (CU) runs its works: work_indptr[cu] .. work_indptr[cu + 1]."""
-    heads = geo.heads
-    part_o = split_data.view(-1, heads, split_data.shape[-1])
-    part_lse = split_lse.view(-1, heads)
+    """Every work group (CU) runs its works: work_indptr[cu] .. work_indptr[cu + 1].
+
+    The works are checked first, in CU order, as the kernel meets them; those before the
+    first refusal run (and write) before it is raised, as when they ran one by one. Works of
+    one shape share a launch sequence (sparse prefill has a work per query token: 16k
+    launch-bound works one by one), unless two works write the same rows: then they run one
+    by one, in order, so the last write wins as on the GPU's serial order of the model."""
+    sink = _Sink(geo, split_data, split_lse, output, final_lse)
+    works, refusal = _admitted_works(geo, work_indptr, work_info_set, sink.partial_rows)
+    batches = _batches(geo, works) if sink.writes_commute(works) else [[w] for w in works]
+    for batch in batches:
+        if batch[0].limits is not None:  # causal works run one by one (few: MTP decode)
+            sink.write(batch[0], *_attend_one(geo, batch[0]))
+        else:
+            sink.write_many(batch, *_attend_batch(geo, batch))
+    if refusal is not None:
+        raise refusal
+
+
+# Works of one shape share a launch sequence gathering at most this many fp32 KV elements
+# (128 MiB: several workers share a GPU); 0: one work per launch sequence (same numerics).
+BATCH_KV_ELEMENTS = 1 << 25
+
+
+@dataclass(frozen=True)
+class _Work:
+    """An admitted work item: query rows qs..qe over the pages kv_indices[ks:ke], n_kv tokens
+    of them (the causal anchor), `tokens` of which exist (n_kv at most what the pages hold)."""
+
+    request: int
+    qs: int
+    qe: int
+    ks: int
+    ke: int
+    n_kv: int
+    tokens: int
+    loc: int  # PARTIAL_QO_LOC; NO_PARTIAL: the work writes the output
+    limits: torch.Tensor | None  # last visible key per row; None: every key visible
+    padded: bool  # a page id in kv_indices[ks:ke] is negative (sparse padding)
+
+
+def _admitted_works(geo: _Geometry, work_indptr: torch.Tensor, work_info_set: torch.Tensor,
+                    partial_rows: int) -> tuple[list[_Work], Exception | None]:
+    """The works the kernel runs before its first refusal, and that refusal (None if none);
+    each work's checks in the order the kernel meets them."""
     indptr = [int(x) for x in work_indptr.tolist()]
     rows = work_info_set.tolist()
+    order: list[int] = []
+    refusal: Exception | None = None
     for cu in range(len(indptr) - 1):
-        for w in range(indptr[cu], indptr[cu + 1]):
-            check(0 <= w < len(rows), f"AITER model: CU {cu} reads work {w} outside work_info_set")
-            _run_work(geo, rows[w], part_o, part_lse, output, final_lse)
+        w = next((w for w in range(indptr[cu], indptr[cu + 1]) if not 0 <= w < len(rows)), None)
+        order.extend(range(indptr[cu], indptr[cu + 1] if w is None else w))
+        if w is not None:
+            refusal = RuntimeError(f"AITER model: CU {cu} reads work {w} outside work_info_set")
+            break
+    n_idx = geo.kv_indices.numel()
+    parsed: list[tuple[list[int], int, int]] = []  # (row, request, n_kv) of works with rows
+    for w in order:
+        row = rows[w]
+        if row[QO_END] <= row[QO_START]:
+            continue
+        try:
+            request, n_kv = _request_and_tokens(geo, row)
+            check(row[KV_START] >= 0 and row[KV_END] <= n_idx,
+                  f"AITER model: work reads kv_indices[{row[KV_START]}:{row[KV_END]}] outside "
+                  f"its {n_idx} entries")
+        except Exception as error:  # noqa: BLE001 - raised once the works before it ran
+            refusal = error
+            break
+        parsed.append((row, request, n_kv))
+    beyond, negative = _page_counts(geo, [(r[KV_START], r[KV_END]) for r, _, _ in parsed])
+    works: list[_Work] = []
+    for (row, request, n_kv), bad, neg in zip(parsed, beyond, negative, strict=True):
+        qs, qe, ks, ke = row[QO_START], row[QO_END], row[KV_START], row[KV_END]
+        loc = row[PARTIAL_QO_LOC]
+        try:
+            if bad:
+                gather_tokens(geo.kv, geo.kv_indices_host[ks:ke], n_kv)  # raises its message
+            geo.check_rows(qs, qe)
+            if loc != NO_PARTIAL:
+                check(loc >= 0 and loc + (qe - qs) <= partial_rows,
+                      f"AITER model: partial rows {loc}-{loc + qe - qs - 1} outside the "
+                      f"{partial_rows}-row partial buffer (the kernel would write out of bounds)")
+        except Exception as error:  # noqa: BLE001 - raised once the works before it ran
+            return works, error
+        tokens = max(0, min(n_kv, max(ke - ks, 0) * geo.page_size))
+        works.append(_Work(request, qs, qe, ks, ke, n_kv, tokens, loc,
+                           geo.limits(request, qs, qe, n_kv, row[KV_OFFSET]), neg > 0))
+    return works, refusal
 
 
-def _run_work(geo: _Geometry, row: list[int], part_o: torch.Tensor, part_lse: torch.Tensor,
-              output: torch.Tensor, final_lse: torch.Tensor | None) -> None:
+def _request_and_tokens(geo: _Geometry, row: list[int]) -> tuple[int, int]:
+    """(request, kv tokens) of a work row: its last page holds kv_last_page_lens tokens when
+    the work reaches the request's end (kv_offset 0)."""
     request = row[BATCH] // geo.fold
-    qs, qe, ks, ke, koff = row[QO_START], row[QO_END], row[KV_START], row[KV_END], row[KV_OFFSET]
-    if qe <= qs:
-        return
-    ps = geo.page_size
-    if ps == 1 or koff > 0:
-        n_kv = max(ke - ks, 0) * ps
-    else:  # the work reaches the request's end: its last page holds kv_last_page_lens tokens
-        last = geo.last[min(max(request, 0), len(geo.last) - 1)]
-        n_kv = max((ke - ks - 1) * ps + last, 0)
-    check(ks >= 0 and ke <= geo.kv_indices.numel(),
-          f"AITER model: work reads kv_indices[{ks}:{ke}] outside its {geo.kv_indices.numel()} "
-          "entries")
-    pages = geo.kv_indices[ks:ke].long().cpu()
-    kv = as_chip_values(gather_tokens(geo.kv, pages, n_kv))
+    ks, ke, ps = row[KV_START], row[KV_END], geo.page_size
+    if ps == 1 or row[KV_OFFSET] > 0:
+        return request, max(ke - ks, 0) * ps
+    last = geo.last[min(max(request, 0), len(geo.last) - 1)]
+    return request, max((ke - ks - 1) * ps + last, 0)
+
+
+def _page_counts(geo: _Geometry, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Per span of kv_indices: how many page ids lie past the KV buffer, how many are
+    negative (one pass over kv_indices, not one per work)."""
+    if not spans:
+        return [], []
+    idx = geo.kv_indices_host
+    zero = torch.zeros(1, dtype=torch.long)
+    beyond = torch.cat([zero, (idx >= geo.kv.shape[0]).long().cumsum(0)])
+    negative = torch.cat([zero, (idx < 0).long().cumsum(0)])
+    lo = torch.tensor([a for a, _ in spans], dtype=torch.long)
+    hi = torch.maximum(torch.tensor([b for _, b in spans], dtype=torch.long), lo)
+    return (beyond[hi] - beyond[lo]).tolist(), (negative[hi] - negative[lo]).tolist()
+
+
+def _batches(geo: _Geometry, works: list[_Work]) -> list[list[_Work]]:
+    """Works that can share a launch sequence: one query-row count, page count and token
+    count, no causal limits; chunked so each gathers at most BATCH_KV_ELEMENTS."""
+    groups: dict[tuple[int, int, int] | int, list[_Work]] = {}
+    for i, w in enumerate(works):
+        key = i if w.limits is not None else (w.qe - w.qs, w.ke - w.ks, w.tokens)
+        groups.setdefault(key, []).append(w)
+    batches = []
+    for group in groups.values():
+        per_work = max(1, (group[0].ke - group[0].ks) * geo.page_size * geo.kv.shape[-1])
+        size = max(1, BATCH_KV_ELEMENTS // per_work)
+        batches.extend(group[i:i + size] for i in range(0, len(group), size))
+    return batches
+
+
+def _attend_one(geo: _Geometry, work: _Work) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [rows, H, Dv] fp32 x kv scale, lse [rows, H]) of one work with causal limits."""
+    pages = geo.kv_indices_host[work.ks:work.ke]
+    kv = as_chip_values(gather_tokens(geo.kv, pages, work.n_kv))
     valid = None
-    if bool((pages < 0).any()):  # sparse padding (-1) inside the range: masked (and zeroed,
-        valid = (pages.repeat_interleave(ps)[:n_kv] >= 0).to(kv.device)  # a 0 x NaN-free PV)
-        kv = kv.masked_fill(~valid[:, None, None], 0.0)
-    out, lse = attend(geo.rows(qs, qe), kv, geo.scale, geo.p_format,
-                      geo.limits(request, qs, qe, n_kv, koff), valid)
-    out = out * geo.kv_factor
-    loc = row[PARTIAL_QO_LOC]
-    if loc == NO_PARTIAL:
-        output[qs:qe] = out.to(output.dtype)
-        if final_lse is not None:
-            final_lse.view(-1, geo.heads)[qs:qe] = lse
-        return
-    check(loc >= 0 and loc + (qe - qs) <= part_o.shape[0],
-          f"AITER model: partial rows {loc}-{loc + qe - qs - 1} outside the {part_o.shape[0]}-row "
-          "partial buffer (the kernel would write out of bounds)")
-    part_o[loc:loc + qe - qs] = out
-    part_lse[loc:loc + qe - qs] = lse
+    if work.padded:  # sparse padding (-1) inside the range: masked (and zeroed, a 0 x
+        valid = (pages.repeat_interleave(geo.page_size)[:work.n_kv] >= 0).to(kv.device)
+        kv = kv.masked_fill(~valid[:, None, None], 0.0)  # NaN-free PV)
+    out, lse = attend(geo.rows(work.qs, work.qe), kv, geo.scale, geo.p_format, work.limits,
+                      valid)
+    return out * geo.kv_factor, lse
+
+
+def _attend_batch(geo: _Geometry, works: list[_Work]) -> tuple[torch.Tensor, torch.Tensor]:
+    """_attend_one of W works of one shape (no causal limits) as one launch sequence:
+    MLA has one KV head, so a work's heads are query rows; the works stand along
+    flash_attend's head axis (q [rows x H, W, D], kv [n, W, D], a [W, n] key mask) and every
+    product is a plain batched matmul. Returns (out [W, rows, H, Dv], lse [W, rows, H])."""
+    first = works[0]
+    n_rows, n_pages, tokens = first.qe - first.qs, first.ke - first.ks, first.tokens
+    host = geo.kv_indices_host
+    pages = (torch.cat([host[w.ks:w.ke] for w in works]) if n_pages
+             else torch.zeros(0, dtype=torch.long)).view(len(works), n_pages)
+    kv = as_chip_values(gather_pages(geo.kv, pages, tokens)).squeeze(2)  # [W, n, D]
+    valid = None
+    if any(w.padded for w in works):  # as in _attend_one, a mask per work
+        valid = (pages.repeat_interleave(geo.page_size, dim=1)[:, :tokens] >= 0).to(kv.device)
+        kv.masked_fill_(~valid[..., None], 0.0)  # kv is this call's own gathered copy
+    starts = torch.tensor([w.qs for w in works], dtype=torch.long)
+    q_rows = (starts[:, None] + torch.arange(n_rows)).reshape(-1).to(geo.q.device)
+    q = as_chip_values(_select_rows(geo.q, q_rows))  # [W x rows, H, D]
+    heads = q.shape[1]
+    q = q.view(len(works), n_rows * heads, -1).transpose(0, 1)  # [rows x H, W, D]
+    k = kv.transpose(0, 1)  # [n, W, D]
+    out, lse = flash_attend(q, k, k[..., :V_HEAD_DIM], geo.scale, False, geo.p_format,
+                            kv_valid=valid)
+    out = (out * geo.kv_factor).transpose(0, 1).reshape(len(works), n_rows, heads, -1)
+    return out, lse.transpose(0, 1).reshape(len(works), n_rows, heads)
+
+
+class _Sink:
+    """Where works write: the output (and final LSE) or the partial buffers."""
+
+    def __init__(self, geo: _Geometry, split_data: torch.Tensor, split_lse: torch.Tensor,
+                 output: torch.Tensor, final_lse: torch.Tensor | None) -> None:
+        self.heads = geo.heads
+        self.part_o = split_data.view(-1, self.heads, split_data.shape[-1])
+        self.part_lse = split_lse.view(-1, self.heads)
+        self.output, self.final_lse = output, final_lse
+        self.partial_rows = self.part_o.shape[0]
+
+    def write(self, work: _Work, out: torch.Tensor, lse: torch.Tensor) -> None:
+        qs, qe, loc = work.qs, work.qe, work.loc
+        if loc == NO_PARTIAL:
+            self.output[qs:qe] = out.to(self.output.dtype)
+            if self.final_lse is not None:
+                self.final_lse.view(-1, self.heads)[qs:qe] = lse
+            return
+        self.part_o[loc:loc + qe - qs] = out
+        self.part_lse[loc:loc + qe - qs] = lse
+
+    def write_many(self, works: list[_Work], outs: torch.Tensor, lses: torch.Tensor) -> None:
+        """write() of works whose writes commute, one indexed copy per buffer."""
+        if outs.shape[2:] != self.output.shape[1:] or outs.shape[2:] != self.part_o.shape[1:]:
+            for work, out, lse in zip(works, outs, lses, strict=True):
+                self.write(work, out, lse)
+            return
+        final = [i for i, w in enumerate(works) if w.loc == NO_PARTIAL]
+        partial = [i for i, w in enumerate(works) if w.loc != NO_PARTIAL]
+        targets = [(final, [w.qs for w in works], self.output, self.final_lse),
+                   (partial, [w.loc for w in works], self.part_o, self.part_lse)]
+        n_rows = outs.shape[1]
+        for chosen, starts, o_buf, lse_buf in targets:
+            if not chosen:
+                continue
+            pick = torch.tensor(chosen, device=outs.device)
+            at = (torch.tensor([starts[i] for i in chosen])[:, None] + torch.arange(n_rows))
+            at = at.reshape(-1).to(o_buf.device)
+            o_buf.index_copy_(0, at, outs.index_select(0, pick).flatten(0, 1).to(o_buf.dtype))
+            if lse_buf is not None:
+                lse_buf.view(-1, self.heads).index_copy_(
+                    0, at, lses.index_select(0, pick).flatten(0, 1).to(lse_buf.dtype))
+
+    def writes_commute(self, works: list[_Work]) -> bool:
+        """No two works write the same rows, and the buffers share no memory: then the order
+        the works run in cannot change what the buffers hold."""
+        buffers = [t for t in (self.output, self.final_lse, self.part_o, self.part_lse)
+                   if t is not None]
+        if len({t.untyped_storage().data_ptr() for t in buffers}) < len(buffers):
+            return False
+        final = sorted((w.qs, w.qe) for w in works if w.loc == NO_PARTIAL)
+        partial = sorted((w.loc, w.loc + w.qe - w.qs) for w in works if w.loc != NO_PARTIAL)
+        return all(a[1] <= b[0] for spans in (final, partial)
+                   for a, b in zip(spans, spans[1:], strict=False))
 
 
 def _run_splits(geo: _Geometry, splits_indptr: torch.Tensor | None, split_data: torch.Tensor,
@@ -410,7 +606,7 @@ def _run_splits(geo: _Geometry, splits_indptr: torch.Tensor | None, split_data: 
         qs, qe = geo.qo[b], geo.qo[b + 1]
         n_pages = geo.kv_pages[b + 1] - geo.kv_pages[b]
         kv_len = (n_pages - 1) * ps + geo.last[b] if n_pages > 0 else 0
-        pages = geo.kv_indices[geo.kv_pages[b]:geo.kv_pages[b + 1]].long().cpu()
+        pages = geo.kv_indices_host[geo.kv_pages[b]:geo.kv_pages[b + 1]]
         kv = as_chip_values(gather_tokens(geo.kv, pages, kv_len))
         splits = min(max(sp[b + 1] - sp[b], 1), n_split)
         chunk = max(1, cdiv(cdiv(kv_len, splits), NONPERSISTENT_SPLIT_GRANULE)) * \
