@@ -387,9 +387,9 @@ def _run_works(geo: _Geometry, work_indptr: torch.Tensor, work_info_set: torch.T
         raise refusal
 
 
-# Works of one shape share a launch sequence gathering at most this many fp32 KV elements
-# (128 MiB: several workers share a GPU); 0: one work per launch sequence (same numerics).
-BATCH_KV_ELEMENTS = 1 << 25
+# Works of one shape share a launch sequence gathering at most this many fp32 elements of KV
+# and q (128 MiB: several workers share a GPU); 0: one work per launch sequence (same numerics).
+BATCH_ELEMENTS = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -486,15 +486,16 @@ def _page_counts(geo: _Geometry, spans: list[tuple[int, int]]) -> tuple[list[int
 
 def _batches(geo: _Geometry, works: list[_Work]) -> list[list[_Work]]:
     """Works that can share a launch sequence: one query-row count, page count and token
-    count, no causal limits; chunked so each gathers at most BATCH_KV_ELEMENTS."""
+    count, no causal limits; chunked so each gathers at most BATCH_ELEMENTS of KV and q."""
     groups: dict[tuple[int, int, int] | int, list[_Work]] = {}
     for i, w in enumerate(works):
         key = i if w.limits is not None else (w.qe - w.qs, w.ke - w.ks, w.tokens)
         groups.setdefault(key, []).append(w)
     batches = []
     for group in groups.values():
-        per_work = max(1, (group[0].ke - group[0].ks) * geo.page_size * geo.kv.shape[-1])
-        size = max(1, BATCH_KV_ELEMENTS // per_work)
+        w = group[0]  # q rows weigh too: works of one key each would gather a huge q
+        per_work = ((w.ke - w.ks) * geo.page_size + (w.qe - w.qs) * geo.heads) * geo.kv.shape[-1]
+        size = max(1, BATCH_ELEMENTS // max(1, per_work))
         batches.extend(group[i:i + size] for i in range(0, len(group), size))
     return batches
 

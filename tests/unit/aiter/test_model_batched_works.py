@@ -18,11 +18,12 @@ from mlacheck.verdict import PASS
 
 BF16 = Quant("bf16", "bf16")
 HEADS, D, DV = 16, 576, 512
-BATCHED = _kernels.BATCH_KV_ELEMENTS  # 0: one work per launch sequence
+BATCHED = _kernels.BATCH_ELEMENTS  # 0: one work per launch sequence
 
 
 def _stage1(works: list[list[int]], indptr: list[int], kv_indices: torch.Tensor,
-            batched: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.Tensor]:
+            batched: bool, monkeypatch: pytest.MonkeyPatch, keep_knob: bool = False
+            ) -> dict[str, torch.Tensor]:
     """Stage 1 over a hand-written schedule on two query tokens and a 100-page KV; returns
     the buffers it wrote (NaN where nothing was written)."""
     gen = torch.Generator().manual_seed(0)
@@ -32,7 +33,8 @@ def _stage1(works: list[list[int]], indptr: list[int], kv_indices: torch.Tensor,
                 split_lse=torch.full((2, 1, HEADS, 1), float("nan")),
                 output=torch.full((2, HEADS, DV), float("nan"), dtype=torch.bfloat16),
                 lse=torch.full((2, HEADS), float("nan")))
-    monkeypatch.setattr(_kernels, "BATCH_KV_ELEMENTS", BATCHED if batched else 0)
+    if not keep_knob:
+        monkeypatch.setattr(_kernels, "BATCH_ELEMENTS", BATCHED if batched else 0)
     with model_env("gfx950"):  # has a persistent 16-head kernel with LSE
         _kernels.mla_decode_stage1_asm_fwd(
             q, kv, torch.tensor([0, 1, 2], dtype=torch.int32),
@@ -67,6 +69,17 @@ def test_batched_works_match_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None
     _assert_same(batched, one)
     assert not batched["split_data"].isnan().any()  # every partial row was written
     assert not batched["output"][0].isnan().any()  # token 1's output is the reduce's
+
+
+def test_a_batch_bounds_the_q_it_gathers_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Room for two fragments' KV (25 keys each) is not room for their 16 q rows as well."""
+    calls: list[int] = []
+    real = _kernels._attend_batch
+    monkeypatch.setattr(_kernels, "_attend_batch",
+                        lambda geo, works: calls.append(len(works)) or real(geo, works))
+    monkeypatch.setattr(_kernels, "BATCH_ELEMENTS", 2 * 25 * D)
+    _stage1(WORKS, [0, 1, 3], _padded_indices(), True, monkeypatch, keep_knob=True)
+    assert calls == [1, 1, 1]
 
 
 def test_a_fragment_with_every_key_padded_sees_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,7 +179,7 @@ def test_batched_verdict_and_output_match_one_by_one(case: DecodeCase,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[bool, tuple[str, torch.Tensor]] = {}
     for batched in (False, True):
-        monkeypatch.setattr(_kernels, "BATCH_KV_ELEMENTS", BATCHED if batched else 0)
+        monkeypatch.setattr(_kernels, "BATCH_ELEMENTS", BATCHED if batched else 0)
         backend = _Capture("gfx942")
         v = harness.run_case(case, backend)
         seen[batched] = (v.status, backend.written)
