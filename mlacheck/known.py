@@ -13,7 +13,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mlacheck.spec import Case, DecodeCase, Op, PagedIndexerCase, Placement, Quant, Request
+from mlacheck.formats import FORMAT_BYTES
+from mlacheck.spec import (
+    Case,
+    DecodeCase,
+    Op,
+    PagedIndexerCase,
+    Paging,
+    Placement,
+    PrefillCase,
+    Quant,
+    Request,
+    Segment,
+)
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,26 @@ def flashinfer_mtp_last_key_dropped(case: Case) -> bool:
     return False
 
 
+# FlashInfer's fa2 prefill loads a K/V row into shared memory in 16-byte columns, 8 lanes per
+# row, NUM_MMA_D / (8 / sizeof(DTypeKV)) times (include/flashinfer/attention/prefill.cuh:565,
+# :637, :729 in 0.7.2.post1; the same loop at main fb28d7242): for a 1-byte K that is whole
+# multiples of 128 elements, while q.k reads head_dim_qk / 16 columns. FlashInfer's own test
+# says so: "the FA2 1-byte KV producers require head_dim to be a multiple of 128 elements"
+# (tests/attention/test_batch_prefill_kernels.py, main fb28d7242); plan() does not check it.
+FLASHINFER_FA2_ONE_BYTE_KV_ROW_ELEMENTS = 128
+
+
+def flashinfer_fa2_one_byte_k_row_partly_unread(case: Case) -> bool:
+    """A prefill of 16-bit q over 1-byte K/V (fa2 has no FP8-q path) whose q/k head width is not
+    a multiple of 128 (MLA's 192: the last 64, the rope part, are never loaded) with a query row
+    that attends to two keys or more (a row that sees one key gets that key's V whatever its
+    score, so it is right)."""
+    assert isinstance(case, PrefillCase)
+    return (FORMAT_BYTES[case.quant.q] == 2 and FORMAT_BYTES[case.quant.kv] == 1
+            and case.dims.qk_head % FLASHINFER_FA2_ONE_BYTE_KV_ROW_ELEMENTS != 0
+            and any(s.q_len >= 1 and s.kv_len >= 2 for s in case.segments))
+
+
 def aiter_triton_block_offset_past_int32(case: Case) -> bool:
     """A paged indexer cache with live pages at byte offsets >= 2^31 (the `high` placements
     at real, 32-bit scale put half the live pages at or above their offset)."""
@@ -143,6 +175,22 @@ RULES: tuple[KnownFailure, ...] = (
         minimal_case=DecodeCase(requests=(Request(2, 65),), num_heads=96, page_size=64),
         strict=False,
     ),
+    *(KnownFailure(
+        name=f"flashinfer-fa2-fp8-kv-prefill-k-rows-past-128-unread-{op.value}",
+        backends=("flashinfer",),
+        op=op,
+        applies=flashinfer_fa2_one_byte_k_row_partly_unread,
+        finding=("FlashInfer fa2 prefill, 16-bit q over fp8_e4m3fn K/V (0.7.2.post1): the K tile "
+                 "producer loads NUM_MMA_D / (8 / sizeof(DTypeKV)) 128-element column groups "
+                 "per row (include/flashinfer/attention/prefill.cuh:565 ragged, :637 / :729 "
+                 "paged), 192 / 128 = 1 for MLA's head_dim_qk, so K elements 128-191 (the rope "
+                 "part) are never loaded and q.k reads unwritten shared memory there (and, "
+                 "through the k128B swizzle on a 12-column row, the next key's bytes); no "
+                 "host-side check. Wrong whatever k_scale / v_scale (unit cases fail too). "
+                 "docs/gpu-results.md, finding 5"),
+        minimal_case=PrefillCase(segments=(Segment(16),), num_heads=16, paging=paging,
+                                 quant=Quant("bf16", "fp8_e4m3fn", "unit")),
+    ) for op, paging in ((Op.PREFILL, None), (Op.PAGED_PREFILL, Paging(16)))),
     KnownFailure(
         name="aiter-triton-paged-mqa-logits-int32-block-offset",
         backends=("aiter-triton",),

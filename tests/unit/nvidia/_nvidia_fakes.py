@@ -250,6 +250,18 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
             return 1.0, 1.0
         return (1.0 if k_scale is None else k_scale), (1.0 if v_scale is None else v_scale)
 
+    def k_as_loaded(backend: str, k: torch.Tensor) -> torch.Tensor:
+        """`bug="k-rows-past-128-unread"`: 0.7.2's fa2 loads a 1-byte K row in 128-element
+        column groups only (include/flashinfer/attention/prefill.cuh:565 / :637 / :729), so
+        MLA's elements 128-191 are never loaded; they read as 0 here (unwritten shared memory
+        on the GPU, whatever it holds)."""
+        if (bug != "k-rows-past-128-unread" or backend != "fa2" or k.element_size() != 1
+                or k.shape[-1] % 128 == 0):
+            return k
+        k = k.float()
+        k[..., k.shape[-1] // 128 * 128:] = 0
+        return k
+
     class BatchPrefillWithRaggedKVCacheWrapper:
         def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False,  # noqa: ANN001
                      qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None,
@@ -283,7 +295,8 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
                 if qhi == qlo:
                     continue
                 causal = a["causal"] and bug != "ignores-causal"
-                o, l = attend(q[qlo:qhi], k[klo:khi], v[klo:khi], a["scale"] * s_k, causal, a["cap"])
+                o, l = attend(q[qlo:qhi], k_as_loaded(self.backend, k[klo:khi]), v[klo:khi],
+                              a["scale"] * s_k, causal, a["cap"])
                 out[qlo:qhi] = o.to(out.dtype)
                 lse_out[qlo:qhi] = l * log2e
             if s_v != 1.0:  # after the kernel, in the output's dtype (prefill.py:6469)
@@ -339,7 +352,8 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
                     continue
                 pages = a["kvi"][a["kvp"][r]: a["kvp"][r + 1]]
                 whole = n if bug != "reads-whole-last-page" else len(pages) * a["ps"]
-                k = _take(k_cache, pages).reshape(-1, *k_cache.shape[2:])[:whole]
+                k = k_as_loaded(self.backend,
+                                _take(k_cache, pages).reshape(-1, *k_cache.shape[2:])[:whole])
                 v = _take(v_cache, pages).reshape(-1, *v_cache.shape[2:])[:whole]
                 o, l = attend(q[lo:hi], k, v, a["scale"] * s_k, a["causal"], a["cap"])
                 out[lo:hi] = o.to(out.dtype)

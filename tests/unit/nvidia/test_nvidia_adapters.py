@@ -19,6 +19,7 @@ from mlacheck.inputs import build
 from mlacheck.kvcache import repaged
 from mlacheck.spec import (
     DecodeCase,
+    Op,
     Paging,
     Placement,
     PrefillCase,
@@ -288,6 +289,23 @@ def test_flashinfer_07_fa2_prefill_takes_fp8_kv_with_its_per_tensor_scales(
         install(monkeypatch, fake_flashinfer("ignores-kv-scale", version="0.7"))
         v = run_case(case, on_cpu(flashinfer.FlashInferBackend("fa2")), RunOptions("cpu"))
         assert v.status == "FAIL", v.reason
+
+
+@pytest.mark.parametrize("op", [Op.PREFILL, Op.PAGED_PREFILL])
+def test_flashinfer_07_fa2_fp8_kv_prefill_finding_is_known_on_its_minimal_case(
+        monkeypatch: pytest.MonkeyPatch, op: Op) -> None:
+    """Finding 5 (docs/gpu-results.md): with K rows read as 0.7.2's fa2 loads them (128 of
+    MLA's 192 elements) the rule's minimal case FAILs and is KNOWN; read whole, it passes and
+    still carries the rule (the gate's strict XPASS: a fixed kernel retires the rule)."""
+    from mlacheck import known
+
+    rule = next(r for r in known.RULES if r.name.startswith("flashinfer-fa2-fp8-kv") and r.op == op)
+    install(monkeypatch, fake_flashinfer("k-rows-past-128-unread", version="0.7"))
+    v = run_case(rule.minimal_case, on_cpu(flashinfer.FlashInferBackend("fa2")), RunOptions("cpu"))
+    assert v.status == "FAIL" and v.known_rule == rule.name and v.bucket == "KNOWN", v.summary()
+    install(monkeypatch, fake_flashinfer(version="0.7"))
+    v = run_case(rule.minimal_case, on_cpu(flashinfer.FlashInferBackend("fa2")), RunOptions("cpu"))
+    assert v.status == "PASS" and v.known_rule == rule.name, v.summary()
 
 
 def test_flashinfer_16_bit_prefill_passes_no_scale_keywords(monkeypatch: pytest.MonkeyPatch) -> None:

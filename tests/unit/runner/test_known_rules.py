@@ -12,7 +12,7 @@ from mlacheck.backends.aiter_triton import NVIDIA_FP8_Q_MIN_PAGE, NVIDIA_PAGES, 
 from mlacheck.backends.base import Capability, Range
 from mlacheck.backends.registry import resolve
 from mlacheck.matrices import load, names
-from mlacheck.spec import OPS, DecodeCase, Request
+from mlacheck.spec import OPS, DecodeCase, Op, Request
 
 # The 41 ids that the H100 nightly of 2026-11-22 reported for finding 1 (the rule's origin).
 FINDING_1_NIGHTLY_IDS = frozenset({
@@ -207,3 +207,61 @@ def test_a_device_error_on_a_documented_case_is_known() -> None:
     v = got.value.verdict
     assert v.status == "CRASH" and v.known_rule == rule.name and v.bucket == "KNOWN"
     assert "illegal memory access" in v.reason
+
+
+# The H100 premerge runs of 2026-11-26 (FlashInfer 0.7.2.post1, fa2, `-k "pf- and e4m3"`, seeds
+# 0-2; /work/state/gpu-s4/fp8p): every FP8-K/V prefill case fa2 executed FAILed, these 21.
+FINDING_5_H100_FAILS = {
+    0: {"pf-s33-q139-h24-bf16-e4m3fn-amax-causal-ties-d00bbbb4",
+        "pf-s5-q67-ctx253-h48-bf16-e4m3fn-amax-causal-layer-302d1b1f",
+        "pf-s35-q137-ctx149-empty2-h12-bf16-e4m3fn-unit-full-ties-aa1c4cd1",
+        "pf-s33-q139-h64-bf16-e4m3fn-amax-causal-p1lin-shuffled-ties-a34b875b",
+        "pf-s1-q17-h48-bf16-e4m3fn-unit-causal-p32lin-shuffled-ties-7b1bafb4",
+        "pf-s1-q5-h64-bf16-e4m3fn-unit-causal-cap30-ties-b7d50c9d",
+        "pf-s6-q68-empty2-h128-bf16-e4m3fn-amax-full-cap30-p1lin-shuffled-sentinel-layer-e4e1d276"},
+    1: {"pf-s33-q139-h64-bf16-e4m3fn-amax-causal-p1lin-shuffled-ties-fa050fb4",
+        "pf-s5-q67-ctx253-h48-bf16-e4m3fn-amax-causal-layer-19aedda7",
+        "pf-s6-q68-empty2-h128-bf16-e4m3fn-amax-full-cap30-p1lin-shuffled-sentinel-layer-28e6c1e2",
+        "pf-s35-q137-ctx149-empty2-h12-bf16-e4m3fn-unit-full-ties-e840d137",
+        "pf-s1-q17-h48-bf16-e4m3fn-unit-causal-p32lin-shuffled-ties-19d5ad6d",
+        "pf-s33-q139-h24-bf16-e4m3fn-amax-causal-ties-3576e0a2",
+        "pf-s1-q5-h64-bf16-e4m3fn-unit-causal-cap30-ties-dbcef9d0"},
+    2: {"pf-s33-q139-h64-bf16-e4m3fn-amax-causal-p1lin-shuffled-ties-b6a292ea",
+        "pf-s6-q68-empty2-h128-bf16-e4m3fn-amax-full-cap30-p1lin-shuffled-sentinel-layer-f3530b79",
+        "pf-s5-q67-ctx253-h48-bf16-e4m3fn-amax-causal-layer-a4d6843f",
+        "pf-s1-q17-h48-bf16-e4m3fn-unit-causal-p32lin-shuffled-ties-55c07107",
+        "pf-s33-q139-h24-bf16-e4m3fn-amax-causal-ties-764594ef",
+        "pf-s1-q5-h64-bf16-e4m3fn-unit-causal-cap30-ties-5aabf7b6",
+        "pf-s35-q137-ctx149-empty2-h12-bf16-e4m3fn-unit-full-ties-d9ce921c"},
+}
+
+
+@pytest.mark.parametrize("seed", sorted(FINDING_5_H100_FAILS))
+def test_flashinfer_fp8_kv_prefill_rule_selects_exactly_the_h100_failures(seed: int) -> None:
+    """Of the premerge prefill cases fa2 runs (16-bit q; K/V 16-bit or fp8_e4m3fn with one
+    scale per tensor; paged: the linear layout), the rule matches exactly the FP8-K/V ones that
+    failed on the H100, and no 16-bit K/V case (those passed there)."""
+    cases = [mc.case for mc in load("premerge", seed=seed).cases
+             if mc.case.op in (Op.PREFILL, Op.PAGED_PREFILL)
+             and mc.case.quant.q in ("bf16", "fp16") and not mc.case.quant.per_token
+             and mc.case.quant.kv in ("bf16", "fp16", "fp8_e4m3fn")
+             and (mc.case.paging is None or mc.case.paging.layout == "linear")]
+    matched = {c.id for c in cases if known.lookup("flashinfer", c)}
+    assert matched == FINDING_5_H100_FAILS[seed]
+    assert not any(known.lookup("flashinfer", c) for c in cases if c.quant.kv in ("bf16", "fp16"))
+    assert not any(known.lookup("flashinfer-fa3", c) for c in cases)
+
+
+def test_flashinfer_fp8_kv_prefill_rule_follows_the_head_width_and_the_keys_a_row_sees() -> None:
+    """128-element K rows (and 256) are loaded whole; a row seeing a single key is right."""
+    from mlacheck.spec import MLADims, PrefillCase, Quant, Segment
+    fp8 = Quant("bf16", "fp8_e4m3fn", "unit")
+    for segments, dims, quant, expected in (
+            ((Segment(16),), MLADims(), fp8, True),
+            ((Segment(1, 1),), MLADims(), fp8, True),  # q_len 1 over 2 keys
+            ((Segment(1),) * 4, MLADims(), fp8, False),  # every row sees one key
+            ((Segment(16),), MLADims(), Quant("bf16", "bf16"), False),
+            ((Segment(16),), MLADims(qk_nope=64), fp8, False),  # qk 128
+            ((Segment(16),), MLADims(qk_nope=192), fp8, False)):  # qk 256
+        case = PrefillCase(segments=segments, dims=dims, quant=quant)
+        assert known.flashinfer_fa2_one_byte_k_row_partly_unread(case) is expected, (segments, dims)
