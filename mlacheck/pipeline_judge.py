@@ -49,10 +49,10 @@ def judge(v: Verdict, case: Case, inputs: Any, output: Output, gold: Any,
           baseline: Output | Sequence[Output], ideal: Any) -> None:
     """Fill v's checks, locations, metrics and diagnosis (the caller sets the status).
     `baseline`: one Output or a family of them (mlacheck.harness.baselines: the eager
-    baseline, and for the composed path's FP8 attention the P-rounding family too)."""
+    baseline, and where the attention rounds P the P-rounding family too)."""
     family = [baseline] if isinstance(baseline, Output) else list(baseline)
-    if case.op == Op.SPARSE_PIPELINE:
-        _pipeline(v, case, inputs, output, gold, family, ideal)
+    if case.op in _FAMILY_JUDGES:
+        _FAMILY_JUDGES[case.op](v, case, inputs, output, gold, family, ideal)
     else:
         _JUDGES[case.op](v, case, inputs, output, gold, family[0], ideal)
     if output.wrote_into_guarded:
@@ -333,8 +333,9 @@ def _slots_pattern(got: torch.Tensor, want: torch.Tensor, bad: torch.Tensor) -> 
 
 
 def _sparse_prefill(v: Verdict, case: Case, inputs: Any, output: Output, gold: Any,
-                    baseline: Output, ideal: Any) -> None:
-    attention_judge._judge_numerics(v, case, inputs, output, gold, baseline, ideal)
+                    family: Sequence[Output], ideal: Any) -> None:
+    attention_judge._judge_numerics(v, case, inputs, output, gold, family, ideal)
+    baseline = family[0]  # the eager one: every family member's max logits are the same
     got = output.extra.get("max_logits")
     if got is None:
         v.checks.append(Check("max_logits", True, detail="backend returns no max logits "
@@ -461,5 +462,6 @@ _JUDGES = {
     Op.PAGED_MQA_LOGITS: _logits,
     Op.TOPK: _topk,
     Op.INDEX_CONVERSION: _conversion,
-    Op.SPARSE_PREFILL: _sparse_prefill,
-}  # Op.SPARSE_PIPELINE: _pipeline, which takes the whole baseline family
+}
+# The ops whose attention is bounded by the whole baseline family (harness.baselines).
+_FAMILY_JUDGES = {Op.SPARSE_PREFILL: _sparse_prefill, Op.SPARSE_PIPELINE: _pipeline}
