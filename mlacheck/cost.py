@@ -14,6 +14,7 @@ seconds.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 from mlacheck import footprint
@@ -62,6 +63,9 @@ KERNEL_CALIBRATION: dict[tuple[str, Op], float] = {
 JUDGE_ELEMENT_S = {"cuda": 12 * 16 / 2e12, "cpu": 12 * 2.5e-8}
 
 
+# Memoised: the references and every backend's item estimate ask for it (4 times a case in a
+# 3-backend run, in every worker), and the per-token lengths of a 16k-token prefill are long.
+@functools.lru_cache(maxsize=1 << 14)
 def attention_flops(case: Case) -> float:
     """Multiply-adds x 2 of one attention pass over the case: the (query, key) pairs each
     token attends (a causal window: the visible triangle only; a top-k: its valid entries),

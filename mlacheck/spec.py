@@ -263,6 +263,7 @@ class _Defaults:
 
 # Instance attribute holding a case's identity JSON once computed (see identity_json).
 _IDENTITY_CACHE = "_identity_json_cache"
+_ID_CACHE = "_id_cache"
 
 
 @dataclass(frozen=True)
@@ -297,8 +298,13 @@ class _CaseBase(_Defaults):
 
     @property
     def id(self) -> str:
-        """Display id: readable slug + short hash of the identity (the hash makes it unique)."""
-        return f"{self.slug}-{_digest(self.identity_json())[:8]}"
+        """Display id: readable slug + short hash of the identity (the hash makes it unique).
+        Computed once per case object, as identity_json is."""
+        cached = self.__dict__.get(_ID_CACHE)
+        if cached is None:
+            cached = f"{self.slug}-{_digest(self.identity_json())[:8]}"
+            object.__setattr__(self, _ID_CACHE, cached)
+        return cached
 
     @property
     def slug(self) -> str:  # pragma: no cover - overridden
