@@ -308,9 +308,10 @@ def baselines(case: Case) -> list[TorchBackend]:
     past a row bound derived from BASELINE alone; with fp16 P it took torch-lazy to 4.4x
     BASELINE's largest element error (max_abs_error's factor is 4; premerge seed 2,
     dec-b1-kv513-h16-p16-fp16-shuffled-layer, a V outlier channel of ~13 under a dominant
-    key: 13 x 2^-11 = 0.0064). The bound is therefore derived from the worse of BASELINE and
-    P_NORMALISED_BASELINE (whose largest weight is rounded) wherever P is rounded at all
-    (docs/detection.md "P rounding families")."""
+    key: 13 x 2^-11 = 0.0064). So wherever P is rounded the family is BASELINE and
+    P_NORMALISED_BASELINE (whose largest weight is rounded); which checks take the family's
+    worse is the judge's (mlacheck.judge._judge_numerics: every check with FP8 P, the largest
+    element alone with 16-bit P; docs/detection.md "P rounding families")."""
     if case.op in PIPELINE_OPS and case.op not in (Op.SPARSE_PIPELINE, Op.SPARSE_PREFILL):
         return [BASELINE]  # logits, selections, slots: no P
     p_fmt = tol.compute_format(case.quant.q, case.quant.kv)

@@ -368,8 +368,18 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
     # where the golden and the baseline are finite, whatever the kernel returned there (a
     # kernel's NaN rows must not shrink the bound its other rows, and its probes, are held to).
     q_fmt, p_fmt = case.quant.q, tol.compute_format(case.quant.q, case.quant.kv)
+    # Which of the P-rounding family (harness.baselines) bounds what. A correct kernel that
+    # rounds the row's largest weight (P / l, or a lazily rescaled max) errs by |v| x that
+    # rounding on a row one key dominates. With FP8 P (3 mantissa bits) that moves whole rows:
+    # every check takes the family's worse. With 16-bit P it shows in single elements only
+    # (an outlier V channel under a dominant key: torch-lazy reached 4.4x the eager
+    # baseline's largest element error, fp16, premerge seed 2, while its rows and RMS stayed
+    # within the eager bounds over 20 seeds): the largest-element check takes the family, the
+    # row, tensor and RMS checks keep the eager baseline, whose bounds caught faults the
+    # family's lose (fault:kv-clamp-8k on one 8193-key request; one request slightly off).
+    rows_outs = b_outs if p_fmt.startswith("fp8") else b_outs[:1]
     err = by_rows(row_errors, out, g_out).masked_fill(~finite, 0.0)
-    base = max(_worst_row(b, g_out, g_bad) for b in b_outs)
+    base = max(_worst_row(b, g_out, g_bad) for b in rows_outs)
     floor = tol.row_floor(q_fmt)
     bound = min(tol.ROW_FACTOR * base + floor, tol.ROW_BUDGET[p_fmt])
     worst = float(err.max()) if err.numel() else 0.0
@@ -382,7 +392,7 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
 
     # Tensor-wide relative L2 (on finite rows).
     t_err = masked_rel_l2(out, g_out, finite)
-    t_base = max(masked_rel_l2(b, g_out, finite, nan_to_num=True) for b in b_outs)
+    t_base = max(masked_rel_l2(b, g_out, finite, nan_to_num=True) for b in rows_outs)
     t_bound = tol.TENSOR_FACTOR * t_base + floor
     checks.append(Check("tensor_rel_l2", t_err <= t_bound, t_err, t_bound))
 
@@ -390,8 +400,8 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
     b_fin = finite.clone()  # finite: the kernel's and the golden's rows
     for b in b_outs:
         b_fin &= finite_rows(b)
-    systematic = _check_systematic(case, inputs, out, g_out, b_outs, err, b_fin, checks,
-                                   v.metrics)
+    systematic = _check_systematic(case, inputs, out, g_out, rows_outs, b_outs, err, b_fin,
+                                   checks, v.metrics)
 
     # LSE (natural log), where the case asks for it.
     wants_lse = case.return_lse
@@ -416,7 +426,7 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
     # loss. Non-finite output where the unquantised golden is finite always fails: the cast
     # itself overflowed (unit-scale FP8, bug class 7).
     if ideal is not None:
-        found, ideal_bad = _check_ideal(case, inputs, out, b_outs, ideal, p_fmt, checks,
+        found, ideal_bad = _check_ideal(case, inputs, out, rows_outs, ideal, p_fmt, checks,
                                         v.metrics)
         where += found
         failing |= ideal_bad
@@ -443,13 +453,15 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
 
 
 def _check_systematic(case: Case, inputs: Inputs, out: torch.Tensor, g_out: torch.Tensor,
-                      b_outs: list[torch.Tensor], err: torch.Tensor, rows: torch.Tensor,
-                      checks: list[Check], metrics: dict[str, Any]) -> Diagnosis | None:
+                      b_outs: list[torch.Tensor], element_outs: list[torch.Tensor],
+                      err: torch.Tensor, rows: torch.Tensor, checks: list[Check],
+                      metrics: dict[str, Any]) -> Diagnosis | None:
     """The rows judged together against the baseline's, without the row floor (errors small
     on every row but systematic): the RMS of the row errors, and FlashAttention's rule on the
     largest element error; where P has 16 bits or more (tol.SYSTEMATIC_P_FORMATS). `rows`:
-    where the kernel, the golden and every baseline are finite. The baseline's statistic is
-    the worst of the family's (as for the row bound: a correct kernel of any family passes).
+    where the kernel, the golden and every baseline are finite. The RMS is bounded by the
+    baselines `b_outs`, the largest element by the worst of `element_outs` (the P-rounding
+    family: a correct kernel of any family passes; see _judge_numerics for why they differ).
     Returns the failure's axis (which requests carry the excess) when either check fails."""
     n = int(rows.sum())
     if n == 0 or tol.compute_format(case.quant.q, case.quant.kv) not in tol.SYSTEMATIC_P_FORMATS:
@@ -468,7 +480,8 @@ def _check_systematic(case: Case, inputs: Inputs, out: torch.Tensor, g_out: torc
     # per-row largest element errors [T, H] (row slices, where the tensors are)
     d_k = by_rows(row_max_abs, out, g_out).masked_fill(~rows, 0.0)
     a_k = float(d_k.max())
-    a_b = max(float(by_rows(row_max_abs, b, g_out).masked_fill(~rows, 0.0).max()) for b in b_outs)
+    a_b = max(float(by_rows(row_max_abs, b, g_out).masked_fill(~rows, 0.0).max())
+              for b in element_outs)
     g_max = float(by_rows(lambda g: g.double().abs().amax(-1), g_out).masked_fill(~rows, 0.0).max())
     kind = "prefill" if Op(case.op).unit == "segment" else "decode"  # decode: from a KV cache
     factor = tol.MAX_ABS_FACTOR[kind]
