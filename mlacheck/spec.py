@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -261,9 +262,14 @@ class _Defaults:
     sparse: ClassVar[bool] = False
 
 
-# Instance attribute holding a case's identity JSON once computed (see identity_json).
-_IDENTITY_CACHE = "_identity_json_cache"
-_ID_CACHE = "_id_cache"
+def _once(case: Any, name: str, compute: Callable[[], str]) -> str:
+    """`compute()` kept on the case object under `name` (not a field: eq, hash, asdict and
+    replace() ignore it); a frozen case cannot change what it derives from."""
+    cached = case.__dict__.get(name)
+    if cached is None:
+        cached = compute()
+        object.__setattr__(case, name, cached)
+    return cached
 
 
 @dataclass(frozen=True)
@@ -290,21 +296,15 @@ class _CaseBase(_Defaults):
         ids of every item many times over (collection, the scheduler, the results), and the
         nightly's 1446 cases spent most of a run's start here (measured: 20 s of a 37 s
         profiled two-item run)."""
-        cached = self.__dict__.get(_IDENTITY_CACHE)
-        if cached is None:
-            cached = json.dumps(identity_dict(self), sort_keys=True, separators=(",", ":"))
-            object.__setattr__(self, _IDENTITY_CACHE, cached)  # not a field: eq, hash,
-        return cached  # asdict and replace() ignore it
+        return _once(self, "_identity_json_cache", lambda: json.dumps(
+            identity_dict(self), sort_keys=True, separators=(",", ":")))
 
     @property
     def id(self) -> str:
         """Display id: readable slug + short hash of the identity (the hash makes it unique).
         Computed once per case object, as identity_json is."""
-        cached = self.__dict__.get(_ID_CACHE)
-        if cached is None:
-            cached = f"{self.slug}-{_digest(self.identity_json())[:8]}"
-            object.__setattr__(self, _ID_CACHE, cached)
-        return cached
+        return _once(self, "_id_cache",
+                     lambda: f"{self.slug}-{_digest(self.identity_json())[:8]}")
 
     @property
     def slug(self) -> str:  # pragma: no cover - overridden

@@ -276,7 +276,6 @@ def _read_yaml(path: Path) -> Any:
 # since is read again (contents, not mtimes: a test rewrites a file within one clock tick).
 _LOADED: dict[Path, tuple[tuple[tuple[Path, str | None], ...], tuple[list[MatrixCase], str, str]]]
 _LOADED = {}
-_READ: list[Path] = []
 
 
 def _stamp(path: Path) -> tuple[Path, str | None]:
@@ -292,14 +291,16 @@ def _load_file_cached(path: Path) -> tuple[list[MatrixCase], str, str]:
     if hit is not None and all(_stamp(p) == (p, digest) for p, digest in hit[0]):
         cases, description, name = hit[1]
         return list(cases), description, name
-    _READ.clear()
-    loaded = _load_file(path, ())
-    _LOADED[key] = (tuple(map(_stamp, _READ)), loaded)
+    read: list[Path] = []
+    loaded = _load_file(path, (), read)
+    _LOADED[key] = (tuple(map(_stamp, read)), loaded)
     return list(loaded[0]), loaded[1], loaded[2]
 
 
-def _load_file(path: Path, stack: tuple[str, ...]) -> tuple[list[MatrixCase], str, str]:
-    _READ.append(path)
+def _load_file(path: Path, stack: tuple[str, ...], read: list[Path]
+               ) -> tuple[list[MatrixCase], str, str]:
+    """`read` gets every file read (this one and its includes)."""
+    read.append(path)
     doc = _read_yaml(path)
     where = str(path)
     if not isinstance(doc, dict):
@@ -318,7 +319,7 @@ def _load_file(path: Path, stack: tuple[str, ...]) -> tuple[list[MatrixCase], st
     for inc in _str_list(doc.get("include", []), where, "include"):
         if inc in stack or inc == name:
             raise MatrixError(f"{where}: include cycle: {' -> '.join((*stack, name, inc))}")
-        cases += _load_file(_resolve_include(inc, path), (*stack, name))[0]
+        cases += _load_file(_resolve_include(inc, path), (*stack, name), read)[0]
     groups = doc["groups"]
     if not isinstance(groups, list) or not groups:
         raise MatrixError(f"{where}: groups must be a non-empty list")
