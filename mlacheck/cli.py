@@ -373,6 +373,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, Any] | 
         stage["reporting"] = False
     # the gate's lines last, after the report: a signal while the report was written
     # changes them (exit 6) instead of adding a second, contrary gate line
+    _hold_signals()  # the code is decided: a signal from here on is held, not raised
     for line in lines:
         print(line)
     return code
@@ -858,11 +859,17 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for signum, handler in previous.items():
                 signal.signal(signum, _DEFAULTS[signum] if handler is _hold else handler)
-    if _HELD:  # other commands: a held signal acts as it would have
+            if decided:  # a library call's run: a signal held after its gate acts as it would
+                _raise_held()
+    _raise_held()  # other commands: a held signal acts as it would have
+    return _main(argv, {})
+
+
+def _raise_held() -> None:
+    if _HELD:
         signum = _HELD[0]
         _HELD.clear()
         signal.raise_signal(signum)
-    return _main(argv, {})
 
 
 def _exit_on_signal(code: int) -> None:

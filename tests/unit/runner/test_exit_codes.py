@@ -599,6 +599,30 @@ def test_a_sigterm_after_the_gate_line_exits_with_the_gate_code_not_143(moment: 
     assert r.returncode == 3, (r.returncode, r.stderr[-2000:])
 
 
+def test_a_sigterm_while_the_gate_line_is_printed_leaves_that_one_line_and_its_code(
+        tiny: Path, tmp_path: Path) -> None:
+    """The code is decided when the gate line is printed: a signal then (here sent from inside
+    print, just before the line) is held. Before, it made the finished, passing run INCOMPLETE
+    (exit 6), or, one line later, a second gate line contradicting the first."""
+    script = (
+        "import builtins, os, signal, sys\n"
+        "sys.argv[0] = 'mlacheck'\n"
+        "from mlacheck import cli\n"
+        "plain = builtins.print\n"
+        "def print_after_a_signal(*a, **k):\n"
+        "    if a and str(a[0]).startswith('mlacheck gate:'):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    plain(*a, **k)\n"
+        "builtins.print = print_after_a_signal\n"
+        f"sys.exit(cli.main(['run', '-b', 'torch', '--matrix', {str(tiny)!r}, '--results', "
+        f"{str(tmp_path / 'r.jsonl')!r}, '-n', '1', '--no-report']))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       env=clean_env(), timeout=300)
+    why = f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-2000:]}"
+    assert r.stdout.count("mlacheck gate:") == 1, why
+    assert r.returncode == outcome.EXIT_OK and "mlacheck gate: exit 0" in r.stdout, why
+
+
 def test_a_bad_k_or_m_expression_is_a_usage_error(tiny: Path, tmp_path: Path) -> None:
     """Under xdist it was an INTERNALERROR and exit 3, the suite-error code."""
     for flag, expr in (("-k", "not ("), ("-m", "large_kv and")):
