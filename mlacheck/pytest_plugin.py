@@ -19,6 +19,7 @@ device discovery mlacheck.preflight.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import sys
 import tempfile
@@ -104,6 +105,10 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_XdistHooks(), "mla-xdist")
     if worker and info.get(_GPU_DIR):
         _publish_gpu(state, Path(info[_GPU_DIR]), str(info.get("workerid", "")))
+    if worker and info.get(_MATRIX_CACHE):
+        from mlacheck.matrices.loader import adopt_expansions
+
+        adopt_expansions(Path(info[_MATRIX_CACHE]))
     if not worker and _runs_the_suite(config):
         state.preflight()
         if getattr(config.option, "dist", "no") == "load":
@@ -114,6 +119,22 @@ def pytest_configure(config: pytest.Config) -> None:
             config.option.loadscopereorder = False
             if state.device.startswith("cuda"):
                 state.gpu_dir = Path(tempfile.mkdtemp(prefix="mlacheck-gpus-"))
+            state.matrix_cache = _export_matrix()
+
+
+def _export_matrix() -> Path | None:
+    """The matrix as preflight expanded it, for the workers to adopt instead of expanding it
+    again; None (each worker expands it) where it cannot be written."""
+    from mlacheck.matrices.loader import export_expansions
+
+    fd, name = tempfile.mkstemp(prefix="mlacheck-matrix-", suffix=".pickle")
+    os.close(fd)
+    try:
+        export_expansions(Path(name))
+    except (OSError, pickle.PicklingError):
+        Path(name).unlink(missing_ok=True)
+        return None
+    return Path(name)
 
 
 def _publish_gpu(state: _State, folder: Path, worker: str) -> None:
@@ -191,6 +212,7 @@ def _share_cpu_threads(workers: int) -> None:
 _STATE = pytest.StashKey["_State"]()
 _LOADGROUP = "mla_loadgroup"  # workerinput key: the controller schedules by case
 _GPU_DIR = "mla_gpu_dir"  # workerinput key: where workers publish their GPU (admission)
+_MATRIX_CACHE = "mla_matrix_cache"  # workerinput key: the controller's expanded matrix
 
 
 class _State:
@@ -215,6 +237,7 @@ class _State:
         self.matrix_name, self.matrix_cases = "", 0  # set by items()
         self.matrix_case_ids: list[str] = []
         self.gpu_dir: Path | None = None  # controller: where workers publish their GPU
+        self.matrix_cache: Path | None = None  # controller: its expansion, for the workers
         self.nodes_down: dict[str, str] = {}  # controller: worker id -> why xdist lost it
         self._matrix: Any = None
         self._started = time.time()  # this session's start (pytest_sessionstart resets it)
@@ -695,13 +718,15 @@ class _XdistHooks:
     @staticmethod
     def pytest_configure_node(node: Any) -> None:
         """Workers re-read the command line (`--dist load`): say that groups are on, so they
-        name items `<id>@<case>` as the loadgroup scheduler expects; and where to say which
-        GPU they run on (mlacheck.admission.publish_worker_gpu)."""
+        name items `<id>@<case>` as the loadgroup scheduler expects; where to say which
+        GPU they run on (mlacheck.admission.publish_worker_gpu); and the expanded matrix."""
         if getattr(node.config.option, "dist", "") == "loadgroup":
             node.workerinput[_LOADGROUP] = True
         state = node.config.stash.get(_STATE, None)
         if state is not None and state.gpu_dir is not None:
             node.workerinput[_GPU_DIR] = str(state.gpu_dir)
+        if state is not None and state.matrix_cache is not None:
+            node.workerinput[_MATRIX_CACHE] = str(state.matrix_cache)
 
 
 def _mla_param(item: pytest.Item) -> MatrixItem | None:
@@ -773,6 +798,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         import shutil
 
         shutil.rmtree(state.gpu_dir, ignore_errors=True)
+    if state is not None and state.matrix_cache is not None:
+        state.matrix_cache.unlink(missing_ok=True)
     if state is not None and state.temporary_results and not is_worker(config):
         state.results.unlink(missing_ok=True)
         os.environ.pop(_PRIVATE_RESULTS_ENV, None)

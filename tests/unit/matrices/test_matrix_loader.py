@@ -395,6 +395,45 @@ def test_a_reloaded_file_is_read_again_when_it_or_an_include_changed(tmp_path: P
     assert {mc.case.segments[0].q_len for mc in load(str(top)).cases} == {96, 48}
 
 
+def test_a_worker_adopts_the_controllers_expansion_only_while_its_files_are_unchanged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """xdist workers take the controller's expanded matrix instead of expanding it again; an
+    edited file (or an include) is expanded anew, and an unreadable export is ignored."""
+    from mlacheck.matrices import loader
+
+    base = write(tmp_path, "base", """
+        groups:
+          - name: g
+            kind: prefill
+            base: {segments: [[64, 0]], num_heads: 8}
+    """)
+    top = write(tmp_path, "top", """
+        include: [base]
+        groups:
+          - name: t
+            kind: prefill
+            base: {segments: [[32, 0]], num_heads: 8}
+    """)
+    ids = [mc.id for mc in load(str(top)).cases]
+    export = tmp_path / "expanded.pickle"
+    loader.export_expansions(export)
+    monkeypatch.setattr(loader, "_LOADED", {})  # a fresh worker process
+    expanded = []
+    plain = loader._load_file
+    monkeypatch.setattr(loader, "_load_file", lambda *a: expanded.append(a[0]) or plain(*a))
+    loader.adopt_expansions(export)
+    assert [mc.id for mc in load(str(top)).cases] == ids and expanded == []
+    base.write_text(base.read_text().replace("[[64, 0]]", "[[96, 0]]"))  # an include changed
+    assert {mc.case.segments[0].q_len for mc in load(str(top)).cases} == {96, 32}
+    assert expanded.count(top) == 1
+    monkeypatch.setattr(loader, "_LOADED", {})
+    export.write_bytes(b"not a pickle")
+    loader.adopt_expansions(export)
+    loader.adopt_expansions(tmp_path / "missing.pickle")
+    assert {mc.case.segments[0].q_len for mc in load(str(top)).cases} == {96, 32}
+    assert expanded.count(top) == 2
+
+
 def test_a_case_id_is_computed_once_and_replace_gives_the_new_one() -> None:
     case = PrefillCase(segments=(Segment(8, 4),), num_heads=8)
     assert case.id == case.id and case.identity_json() is case.identity_json()

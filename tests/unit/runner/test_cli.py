@@ -51,6 +51,22 @@ def tiny(tmp_path: Path) -> Path:
     return p
 
 
+def test_workers_take_the_matrix_the_controller_expanded(tiny: Path, tmp_path: Path) -> None:
+    """Each worker expanded the matrix again before it could collect (the nightly: ~1 s of a
+    worker's start); now it adopts the controller's expansion, and the file is gone after."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = mlacheck("run", "-b", "torch", "--matrix", str(tiny), "--results",
+                 str(tmp_path / "r.jsonl"), "-n", "2", "--no-report", "--", "-p",
+                 "expansion_probe", env={"EXPANSION_PROBE_DIR": str(probe), "TMPDIR": str(tmp)})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    counts = {p.name: p.read_text() for p in probe.iterdir()}
+    assert counts == {"gw0": "0", "gw1": "0"}
+    assert not list(tmp.glob("mlacheck-matrix-*")), list(tmp.iterdir())
+
+
 @pytest.mark.memory_heavy  # the smoke matrix's 98305-token decode: one at a time (tests/conftest.py)
 def test_run_smoke_on_default_backend_passes_and_writes_report(tmp_path: Path) -> None:
     res = tmp_path / "out" / "results.jsonl"
