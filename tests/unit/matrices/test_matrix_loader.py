@@ -367,10 +367,8 @@ def test_covering_group_errors(tmp_path: Path, covering: str, extra: str, messag
 # --------------------------------------------------------------------------- reuse in a process
 
 
-def test_a_reloaded_file_is_read_again_when_it_or_an_include_changed(tmp_path: Path) -> None:
-    """A process loads a matrix more than once (CLI, then the pytest plugin) and reuses the
-    expansion; an edit of the file or of one it includes — even to the same size within one
-    clock tick — must be seen."""
+def _including_pair(tmp_path: Path) -> tuple[Path, Path]:
+    """`top` (one prefill case of 32 tokens) includes `base` (one of 64)."""
     base = write(tmp_path, "base", """
         groups:
           - name: g
@@ -384,6 +382,14 @@ def test_a_reloaded_file_is_read_again_when_it_or_an_include_changed(tmp_path: P
             kind: prefill
             base: {segments: [[32, 0]], num_heads: 8}
     """)
+    return base, top
+
+
+def test_a_reloaded_file_is_read_again_when_it_or_an_include_changed(tmp_path: Path) -> None:
+    """A process loads a matrix more than once (CLI, then the pytest plugin) and reuses the
+    expansion; an edit of the file or of one it includes — even to the same size within one
+    clock tick — must be seen."""
+    base, top = _including_pair(tmp_path)
     first = load(str(top))
     again = load(str(top))
     assert [mc.id for mc in again.cases] == [mc.id for mc in first.cases]
@@ -401,19 +407,7 @@ def test_a_worker_adopts_the_controllers_expansion_only_while_its_files_are_unch
     edited file (or an include) is expanded anew, and an unreadable export is ignored."""
     from mlacheck.matrices import loader
 
-    base = write(tmp_path, "base", """
-        groups:
-          - name: g
-            kind: prefill
-            base: {segments: [[64, 0]], num_heads: 8}
-    """)
-    top = write(tmp_path, "top", """
-        include: [base]
-        groups:
-          - name: t
-            kind: prefill
-            base: {segments: [[32, 0]], num_heads: 8}
-    """)
+    base, top = _including_pair(tmp_path)
     ids = [mc.id for mc in load(str(top)).cases]
     export = tmp_path / "expanded.pickle"
     loader.export_expansions(export)
