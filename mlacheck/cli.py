@@ -846,21 +846,21 @@ def main(argv: list[str] | None = None) -> int:
     here on is held until the command is known (before it: the interpreter's start and this
     module's imports, ~0.1-0.2 s, where the signal's default action still applies)."""
     previous = _hold_signals()
-    decided: list[int] = []
+    decided: int | None = None  # a run's code
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
         if argv[:1] == ["run"]:
-            decided.append(_run_guarded(argv))  # interrupted: exit 6, its gate line and report
-            return decided[0]
+            decided = _run_guarded(argv)  # interrupted: exit 6, its gate line and report
+            return decided
     finally:
-        if decided and _ENTRY_POINT:  # no default action in between: it would be a 143
-            _exit_on_signal(decided[0])
+        if decided is not None and _ENTRY_POINT:  # no default action in between: a 143
+            _exit_on_signal(decided)
             _HELD.clear()  # a signal after the gate line: the run had finished
         else:
             for signum, handler in previous.items():
                 signal.signal(signum, _DEFAULTS[signum] if handler is _hold else handler)
-            if decided:  # a library call's run: a signal held after its gate acts as it would
-                _raise_held()
+            if decided is not None:  # a library call's run: a signal held after its gate
+                _raise_held()  # acts as it would have
     _raise_held()  # other commands: a held signal acts as it would have
     return _main(argv, {})
 
