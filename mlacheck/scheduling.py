@@ -7,7 +7,7 @@ shares them). The pytest plugin installs this scheduler for `--dist load` runs o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,15 @@ def case_scheduler(config: Any, log: Any, need: dict[str, int],
       the longest case that fits its GPU beside the cases already handed to that GPU's
       workers (pick_unit), so no worker is given a case to wait for while another GPU has
       room for it, and the large cases spread over the GPUs.
-    - A worker replacing a crashed one gets work only once its collection is in.
+    - Work goes out as soon as the first worker's collection is in, and to each worker when
+      its own arrives (xdist waits for every worker's: on one H100, 8 workers, the nightly,
+      workers finished collecting 15.4 s to 18.2 s after the start and all got their first
+      item at 18.21 s; with 34 workers on 4 GPUs the spread is larger). The first collection
+      is the run's (the run header is written from it too, pytest_plugin.write_header); a
+      later one that differs gets no work, is reported as xdist reports it (a failed collect
+      report, "Different tests collected") and ends the hand-out: the queue is dropped, so
+      what was not handed out is missing from the results (INCOMPLETE), as xdist's own
+      check aborts a run. A worker replacing a crashed one is a late worker like any other.
     - The item a worker died under is not run again: loadscope puts the whole unfinished
       group back, the crashed item included, so a kernel that aborts the process would take
       down one worker after another (the item is recorded as CRASH).
@@ -51,17 +59,20 @@ def case_scheduler(config: Any, log: Any, need: dict[str, int],
         def __init__(self, config: Any, log: Any) -> None:
             super().__init__(config, log)
             self._gpus: dict[str, tuple[str, int]] | None = None
+            self.refused = False  # a worker's collection differed: nothing more goes out
 
         @staticmethod
         def need(scope: str) -> int:
             return need.get(scope, 0)
 
         def gpus(self) -> dict[str, tuple[str, int]]:
-            """{worker id: (GPU, budget)}, read again while a worker (a new one replacing a
-            crashed one) has not been seen."""
+            """{worker id: (GPU, budget)}, read again while a collected worker (a late one, or
+            one replacing a crashed one) has not been seen (a worker publishes before it
+            collects)."""
             if gpu_dir is None:
                 return {}
-            if self._gpus is None or any(n.gateway.id not in self._gpus for n in self.nodes):
+            if self._gpus is None or any(n.gateway.id not in self._gpus
+                                         for n in self.registered_collections):
                 self._gpus = admission.worker_gpus(gpu_dir)
             return self._gpus
 
@@ -77,12 +88,73 @@ def case_scheduler(config: Any, log: Any, need: dict[str, int],
                 self.workqueue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
 
+        @property
+        def collection_is_completed(self) -> bool:
+            """Enough to schedule: one worker's collection (xdist: every initial worker's)."""
+            return bool(self.registered_collections)
+
+        def ready(self) -> list[Any]:
+            """The workers whose collection is in, in the order they joined."""
+            return [n for n in self.nodes if n in self.registered_collections]
+
+        def add_node_collection(self, node: Any, collection: Sequence[str]) -> None:
+            assert node in self.assigned_work
+            if self.collection is None:  # before the first hand-out: schedule() compares
+                self.registered_collections[node] = list(collection)
+                return
+            if list(collection) != self.collection:
+                self.refuse(node, collection)
+                return
+            self.registered_collections[node] = list(collection)
+
+        def refuse(self, node: Any, collection: Sequence[str]) -> None:
+            """A worker that collected other items than the run's: no work for it, a failed
+            collect report naming the difference, and nothing more handed out."""
+            import pytest
+            from xdist.report import report_collection_diff
+
+            first = next(iter(self.registered_collections))
+            msg = report_collection_diff(self.collection, list(collection),
+                                         first.gateway.id, node.gateway.id)
+            self.log(msg)
+            self.log("**Different tests collected, aborting run**")
+            self.config.hook.pytest_collectreport(report=pytest.CollectReport(
+                nodeid=node.gateway.id, outcome="failed", longrepr=msg, result=[]))
+            self.refused = True
+            self.workqueue.clear()
+            node.shutdown()
+
+        def schedule(self) -> None:
+            """The first call builds the queue (xdist's) from the collections in so far and
+            starts the workers that have one; later calls start a worker whose collection
+            just arrived and top up the others."""
+            assert self.collection_is_completed
+            if self.collection is None:
+                if not self._check_nodes_have_same_collection():
+                    self.log("**Different tests collected, aborting run**")
+                    return
+                self.collection = list(next(iter(self.registered_collections.values())))
+                if not self.collection:
+                    return
+                for nodeid in self.collection:  # the collection's order (plugin: no reorder)
+                    unit = self.workqueue.setdefault(self._split_scope(nodeid), {})
+                    unit[nodeid] = False
+            # twice, as xdist's first hand-out: a worker starts with two cases where it can
+            # (#277; a worker runs an item only once it has the next one or is told to stop)
+            for _ in range(2):
+                for node in self.ready():
+                    self._reschedule(node)
+            if not self.workqueue:  # all handed out: the workers may finish their last item
+                for node in self.ready():
+                    if not node.shutting_down:
+                        node.shutdown()
+
         def _reschedule(self, node: Any) -> None:
             if node not in self.registered_collections:
-                # a worker replacing a crashed one, still collecting: xdist would hand it
-                # work when another replacement reports (KeyError, INTERNALERROR: the run
-                # ended after two kernel crashes, nightly on the H100); it gets work when
-                # its own collection arrives
+                # still collecting (a late worker, or one replacing a crashed one), or its
+                # collection differed: xdist would hand a replacement work when another one
+                # reports (KeyError, INTERNALERROR: the run ended after two kernel crashes,
+                # nightly on the H100); it gets work when its own collection arrives
                 return
             if (not node.shutting_down and self.workqueue
                     and self._pending_of(self.assigned_work[node]) > 1):
@@ -98,8 +170,9 @@ def case_scheduler(config: Any, log: Any, need: dict[str, int],
             for unit in workload.values():
                 if crashed in unit:
                     unit[crashed] = True
-            self.workqueue.update((scope, unit) for scope, unit in workload.items()
-                                  if not all(unit.values()))
+            if not self.refused:
+                self.workqueue.update((scope, unit) for scope, unit in workload.items()
+                                      if not all(unit.values()))
             for other in self.assigned_work:
                 self._reschedule(other)
             return crashed

@@ -8,6 +8,9 @@ run the case. Here xdist's scheduler runs against fake workers on two fake GPUs.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -152,3 +155,145 @@ def test_two_crashed_workers_and_their_replacements_keep_the_run_going() -> None
     assert fresh[1].sent
     ran = {collection[i] for n in fresh for i in n.sent}
     assert not ran & set(crashed)  # the items the workers died under are not run again
+
+
+# --------------------------------------------------------------------------- early start
+# xdist hands out nothing until every worker has collected: on one H100 (8 workers, the
+# nightly) workers finished collecting 15.4 s to 18.2 s after the start, and all got their
+# first item at 18.21 s. The scheduler starts at the first collection instead.
+
+
+def _arrive(sched, node: FakeNode, collection: list[str]) -> None:  # noqa: ANN001
+    """What xdist's DSession.worker_collectionfinish does with a worker's collection."""
+    sched.add_node_collection(node, collection)
+    if sched.collection_is_completed:
+        sched.schedule()
+
+
+def _run_all(sched, node: FakeNode) -> None:  # noqa: ANN001
+    """The worker runs everything it was sent, and what it is sent meanwhile."""
+    done = 0
+    while done < len(node.sent):
+        sched.mark_test_complete(node, node.sent[done])
+        done += 1
+
+
+def _joined(workers: int, reports: list | None = None):  # noqa: ANN202
+    """CPU workers that have all started, none collected yet."""
+    config = FakeConfig(workers)
+    config.hook = SimpleNamespace(pytest_collectreport=lambda report: reports.append(report))
+    sched = case_scheduler(config, None, NEED, None)
+    nodes = [FakeNode(f"gw{w}") for w in range(workers)]
+    for node in nodes:
+        sched.add_node(node)
+    return sched, nodes, [f"suite.py::test_mla[b-{case}]@{case}" for case in NEED]
+
+
+def test_work_goes_out_at_the_first_collection_and_only_to_collected_workers() -> None:
+    sched, (gw0, gw1, gw2), collection = _joined(3)
+    _arrive(sched, gw1, collection)
+    assert _cases(gw1, collection) == ["big1", "big2"]  # the longest first, two to start
+    assert not gw0.sent and not gw2.sent  # still collecting: nothing for them
+    assert not sched.tests_finished
+
+
+def test_a_late_worker_gets_work_when_its_collection_arrives() -> None:
+    sched, (gw0, gw1, gw2), collection = _joined(3)
+    _arrive(sched, gw1, collection)
+    sched.mark_test_complete(gw1, gw1.sent[0])  # gw1 runs on meanwhile
+    assert _cases(gw1, collection) == ["big1", "big2", "big3"]
+    _arrive(sched, gw2, collection)
+    assert _cases(gw2, collection) == ["big4", "small1"]  # the same queue, in its order
+    assert not gw0.sent
+    _arrive(sched, gw0, collection)
+    assert _cases(gw0, collection) == ["small2", "small3"]
+    for node in (gw0, gw1, gw2):
+        _run_all(sched, node)
+    ran = [c for n in (gw0, gw1, gw2) for c in _cases(n, collection)]
+    assert sorted(ran) == sorted(NEED)  # every case once
+    assert sched.tests_finished and all(n.shutting_down for n in (gw0, gw1, gw2))
+
+
+def test_a_late_collection_that_differs_gets_no_work_is_reported_and_ends_the_hand_out() -> None:
+    reports: list = []
+    sched, (gw0, gw1), collection = _joined(2, reports)
+    _arrive(sched, gw0, collection)
+    first = list(gw0.sent)
+    _arrive(sched, gw1, collection[:-1])  # one item less
+    assert not gw1.sent and gw1.shutting_down
+    assert len(reports) == 1 and reports[0].failed and reports[0].nodeid == "gw1"
+    why = str(reports[0].longrepr)
+    assert "Different tests were collected between gw0 and gw1" in why and "small8" in why
+    assert not sched.workqueue  # the rest is not handed out: the run is INCOMPLETE
+    _run_all(sched, gw0)
+    assert gw0.sent == first and gw0.shutting_down and sched.tests_finished
+
+
+def test_fewer_cases_than_workers() -> None:
+    sched, (gw0, gw1, gw2), _ = _joined(3)
+    one = ["suite.py::test_mla[b-big1]@big1", "suite.py::test_mla[c-big1]@big1"]
+    _arrive(sched, gw2, one)
+    assert gw2.sent == [0, 1] and gw2.shutting_down  # all of it, then told to stop
+    _arrive(sched, gw0, one)
+    assert not gw0.sent and gw0.shutting_down  # nothing left: it stops
+    _run_all(sched, gw2)
+    assert sched.tests_finished  # gw1 never collected: the run still ends
+    assert sched.remove_node(gw1) is None and sched.remove_node(gw0) is None
+
+
+def test_all_work_done_before_a_slow_worker_collects_ends_the_run() -> None:
+    sched, (gw0, gw1), collection = _joined(2)
+    _arrive(sched, gw0, collection)
+    _run_all(sched, gw0)
+    assert sorted(_cases(gw0, collection)) == sorted(NEED)
+    assert sched.tests_finished  # xdist then shuts every worker down, gw1 included
+    assert sched.remove_node(gw1) is None  # and it leaves with nothing pending
+
+
+# A worker whose collection comes in only after the other worker has run every item (it waits
+# for their verdicts in the results file): with xdist's start nothing would run until then.
+SLOW_COLLECTION = """
+import json, os, time
+from pathlib import Path
+
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker sends its collection
+def pytest_collection_finish(session):
+    if getattr(session.config, "workerinput", {}).get("workerid") != "gw1":
+        return
+    results, deadline = Path(os.environ["SLOW_RESULTS"]), time.time() + 60
+    while time.time() < deadline:
+        lines = results.read_text().splitlines() if results.exists() else []
+        if lines and len(lines) - 1 >= len(json.loads(lines[0])["run"]["expected"]):
+            return
+        time.sleep(0.1)
+"""
+TWO_CASES = """
+name: two
+description: two small decode cases
+groups:
+  - name: decode
+    kind: decode
+    base: {requests: [[1, 70], [2, 130]], page_size: 16, num_heads: 16}
+    axes: {num_heads: [16, 32]}
+"""
+
+
+def test_a_run_ends_cleanly_when_its_work_is_done_before_a_slow_worker_collects(
+        tmp_path: Path) -> None:
+    (tmp_path / "slowcollect.py").write_text(SLOW_COLLECTION)
+    matrix, res = tmp_path / "two.yaml", tmp_path / "r.jsonl"
+    matrix.write_text(TWO_CASES)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")])),
+               PYTEST_ADDOPTS="-p slowcollect", SLOW_RESULTS=str(res))
+    r = subprocess.run([sys.executable, "-m", "mlacheck.cli", "run", "-b", "torch", "--matrix",
+                        str(matrix), "-n", "2", "--no-report", "--results", str(res)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    header, *verdicts = (json.loads(line) for line in res.read_text().splitlines())
+    assert len(header["run"]["expected"]) == 2
+    assert sorted(v["status"] for v in verdicts) == ["PASS", "PASS"]
+    assert {v["worker"] for v in verdicts} == {"gw0"}  # all ran before gw1 had collected
