@@ -263,37 +263,91 @@ import pytest
 def pytest_collection_finish(session):
     if getattr(session.config, "workerinput", {}).get("workerid") != "gw1":
         return
-    results, deadline = Path(os.environ["SLOW_RESULTS"]), time.time() + 60
+    results, deadline = Path(os.environ["MLA_RESULTS"]), time.time() + 60
     while time.time() < deadline:
         lines = results.read_text().splitlines() if results.exists() else []
         if lines and len(lines) - 1 >= len(json.loads(lines[0])["run"]["expected"]):
             return
         time.sleep(0.1)
 """
-TWO_CASES = """
-name: two
-description: two small decode cases
+FOUR_CASES = """
+name: four
+description: four small decode cases
 groups:
   - name: decode
     kind: decode
     base: {requests: [[1, 70], [2, 130]], page_size: 16, num_heads: 16}
-    axes: {num_heads: [16, 32]}
+    axes: {num_heads: [16, 32], page_size: [16, 64]}
 """
+
+
+def _run_with(plugin: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`mlacheck run -n 2` on FOUR_CASES with a pytest plugin loaded in every process."""
+    (tmp_path / "mlaplug.py").write_text(plugin)
+    matrix, res = tmp_path / "four.yaml", tmp_path / "r.jsonl"
+    matrix.write_text(FOUR_CASES)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")])),
+               PYTEST_ADDOPTS="-p mlaplug", MLA_RESULTS=str(res))
+    r = subprocess.run([sys.executable, "-m", "mlacheck.cli", "run", "-b", "torch", "--matrix",
+                        str(matrix), "-n", "2", "--no-report", "--results", str(res)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    return r, res
 
 
 def test_a_run_ends_cleanly_when_its_work_is_done_before_a_slow_worker_collects(
         tmp_path: Path) -> None:
-    (tmp_path / "slowcollect.py").write_text(SLOW_COLLECTION)
-    matrix, res = tmp_path / "two.yaml", tmp_path / "r.jsonl"
-    matrix.write_text(TWO_CASES)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")])),
-               PYTEST_ADDOPTS="-p slowcollect", SLOW_RESULTS=str(res))
-    r = subprocess.run([sys.executable, "-m", "mlacheck.cli", "run", "-b", "torch", "--matrix",
-                        str(matrix), "-n", "2", "--no-report", "--results", str(res)],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r, res = _run_with(SLOW_COLLECTION, tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     header, *verdicts = (json.loads(line) for line in res.read_text().splitlines())
-    assert len(header["run"]["expected"]) == 2
-    assert sorted(v["status"] for v in verdicts) == ["PASS", "PASS"]
+    assert len(header["run"]["expected"]) == 4
+    assert [v["status"] for v in verdicts] == ["PASS"] * 4
     assert {v["worker"] for v in verdicts} == {"gw0"}  # all ran before gw1 had collected
+
+
+# gw1 collects one item less, and only once gw0's collection is in (the controller writes the
+# run header then); gw0's first item takes 3 s, so most of the queue is still there.
+DIFFERENT_LATE_COLLECTION = """
+import os, time
+from pathlib import Path
+
+import pytest
+
+
+def _worker(config):
+    return getattr(config, "workerinput", {}).get("workerid")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    if _worker(config) == "gw1":
+        del items[-1]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session):
+    if _worker(session.config) == "gw1":
+        results, deadline = Path(os.environ["MLA_RESULTS"]), time.time() + 60
+        while not results.exists() and time.time() < deadline:
+            time.sleep(0.05)
+
+
+def pytest_runtest_call(item):
+    if _worker(item.config) == "gw0" and not getattr(item.config, "_slept", False):
+        item.config._slept = True
+        time.sleep(3)
+"""
+
+
+def test_a_late_collection_that_differs_is_reported_and_the_run_is_incomplete(
+        tmp_path: Path) -> None:
+    """As xdist's own check: the run stops handing out work and is not a pass (exit 6);
+    what the first worker was given before still ran."""
+    r, res = _run_with(DIFFERENT_LATE_COLLECTION, tmp_path)
+    assert r.returncode == 6, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "ERROR collecting gw1" in r.stdout
+    assert "Different tests were collected between gw0 and gw1" in r.stdout
+    header, *verdicts = (json.loads(line) for line in res.read_text().splitlines())
+    assert len(header["run"]["expected"]) == 4  # gw0's collection is the run's
+    assert 0 < len(verdicts) < 4 and {v["worker"] for v in verdicts} == {"gw0"}
+    assert f"INCOMPLETE: {len(verdicts)} of 4 items have a verdict" in r.stdout
