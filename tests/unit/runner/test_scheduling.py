@@ -250,6 +250,28 @@ def test_all_work_done_before_a_slow_worker_collects_ends_the_run() -> None:
     assert sched.remove_node(gw1) is None  # and it leaves with nothing pending
 
 
+def test_late_workers_on_gpus_get_what_fits_their_gpu(tmp_path: Path) -> None:
+    """The GPU pick is the same for a worker that collects late, and a worker whose GPU file
+    appears only after the first hand-out is read when its collection arrives."""
+    gpus = tmp_path / "gpus"
+    gpus.mkdir()
+    for w in (0, 1):  # gw0 on GPU A, gw1 on GPU B; gw2 (A) publishes later
+        (gpus / f"gw{w}.json").write_text(json.dumps({"gpu": "AB"[w], "budget": 100}))
+    sched = case_scheduler(FakeConfig(3), None, NEED, gpus)
+    gw0, gw1, gw2 = nodes = [FakeNode(f"gw{w}") for w in range(3)]
+    collection = [f"suite.py::test_mla[b-{case}]@{case}" for case in NEED]
+    for node in nodes:
+        sched.add_node(node)
+    _arrive(sched, gw0, collection)
+    assert _cases(gw0, collection) == ["big1", "small1"]  # big2 would not fit beside big1
+    assert not gw1.sent and not gw2.sent
+    _arrive(sched, gw1, collection)
+    assert _cases(gw1, collection) == ["big2", "small2"]  # GPU B: the next large case
+    (gpus / "gw2.json").write_text(json.dumps({"gpu": "A", "budget": 100}))
+    _arrive(sched, gw2, collection)
+    assert _cases(gw2, collection) == ["small3", "small4"]  # A holds big1 + small1
+
+
 # A worker whose collection comes in only after the other worker has run every item (it waits
 # for their verdicts in the results file): with xdist's start nothing would run until then.
 SLOW_COLLECTION = """
