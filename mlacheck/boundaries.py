@@ -90,9 +90,7 @@ def live_pages_past(case: Case, page_id: int) -> float:
         return 0.0
     lens, ps, page_bytes = geo
     live = sum(-(-n // ps) for n in lens)
-    from mlacheck import kvcache
-
-    total = kvcache.pool_page_count(lens, ps, page_bytes, case.placement)
+    total = case.placement.pool_pages(lens, ps, page_bytes)
     first = total - live - case.placement.spare_pages
     window = live if case.placement.kind == "packed" else live + case.placement.spare_pages
     past = max(0, first + window - max(page_id, first))
@@ -133,9 +131,7 @@ def _live_bytes_past(bound: int) -> Callable[[Case], bool]:
         if geo is None:
             return False
         lens, ps, page_bytes = geo
-        from mlacheck import kvcache
-
-        return kvcache.pool_page_count(lens, ps, page_bytes, case.placement) * page_bytes > bound
+        return case.placement.pool_pages(lens, ps, page_bytes) * page_bytes > bound
     return applies
 
 

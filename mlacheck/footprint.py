@@ -13,7 +13,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from mlacheck import kvcache
 from mlacheck.golden.core import SCORE_BLOCK_BYTES
 from mlacheck.ops import Op
 from mlacheck.spec import FORMAT_BYTES, PIPELINE_OPS, Case, PrefillCase
@@ -68,14 +67,14 @@ def estimate(case: Case) -> Footprint:
         if case.paging is not None:
             ps = case.paging.page_size
             for width in (d.qk_head, d.v_head):
-                pages = kvcache.pool_page_count(lens, ps, ps * h * width * kb, case.placement)
+                pages = case.placement.pool_pages(lens, ps, ps * h * width * kb)
                 pools += pages * ps * h * width * kb
         refs = 2 * longest * h * (d.qk_head + d.v_head) * FP32  # golden + baseline operands
     else:  # the absorbed form: one latent pool
         inputs = tq * h * d.latent * (FP32 + qb) + tk * d.latent * (FP32 + kb) + (
             tq * h * d.kv_lora_rank * out_b)
         ps = case.paging.page_size
-        pages = kvcache.pool_page_count(lens, ps, ps * d.latent * kb, case.placement)
+        pages = case.placement.pool_pages(lens, ps, ps * d.latent * kb)
         pools = pages * ps * d.latent * kb
         refs = 2 * longest * d.latent * FP32
     refs += min(SCORE_BLOCK_BYTES, rows * longest * FP32)
@@ -105,8 +104,8 @@ def _paged_indexer(case: Any) -> Footprint:
 
     rows, width = case.total_q, max(case.kv_lengths)
     page_bytes = indexer_cache.page_bytes(case.page_size, case.head_dim)
-    pool = kvcache.pool_page_count(list(case.kv_lengths), case.page_size, page_bytes,
-                                   case.placement) * page_bytes
+    pool = case.placement.pool_pages(list(case.kv_lengths), case.page_size,
+                                     page_bytes) * page_bytes
     inputs = (_indexer_query(rows, case.num_heads, case.head_dim)
               + case.total_kv * case.head_dim * (FP32 + 1) + rows * width * FP32)
     block = min(SCORE_BLOCK_BYTES, case.next_n * case.num_heads * width * FP32)

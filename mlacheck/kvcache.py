@@ -11,7 +11,6 @@ Every request's pages can be mapped back to byte offsets of the pool, to assert 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -139,26 +138,13 @@ def assign_pages(
     indptr = torch.zeros(len(lens) + 1, dtype=torch.int64)
     indptr[1:] = torch.cumsum(counts, 0)
     live = int(indptr[-1])
-    first = _first_live_page(live, page_bytes, placement)
+    first = placement.first_live_page(live, page_bytes)
     pool_pages = first + live + placement.spare_pages
     if placement.kind == "packed":
         ids = torch.arange(live)
     else:  # shuffled (first = 0), or high: straddling offset_bytes, half below, half above
         ids = first + torch.randperm(live + placement.spare_pages, generator=gen)[:live]
     return PageTable(page_size, indptr, ids.to(torch.int64), lens), pool_pages
-
-
-def _first_live_page(live: int, page_bytes: int, placement: Placement) -> int:
-    if placement.kind != "high":
-        return 0
-    return max(0, math.ceil(placement.offset_bytes / page_bytes) - live // 2)
-
-
-def pool_page_count(kv_lens: Sequence[int], page_size: int, page_bytes: int,
-                    placement: Placement) -> int:
-    """How many pages `assign_pages` allocates (no tensors: for memory estimates)."""
-    live = sum(-(-n // page_size) for n in kv_lens)
-    return _first_live_page(live, page_bytes, placement) + live + placement.spare_pages
 
 
 # --------------------------------------------------------------------------- pools

@@ -28,7 +28,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -184,6 +184,19 @@ class Placement:
                 or not MIN_OFFSET_BITS <= self.offset_bits <= OFFSET_BITS):
             raise ValueError(f"offset_bits must be an integer in {MIN_OFFSET_BITS}.."
                              f"{OFFSET_BITS}, not {self.offset_bits!r}")
+
+    def first_live_page(self, live: int, page_bytes: int) -> int:
+        """The pool's first live page: 0, or for `high` the page that puts half of the `live`
+        pages below offset_bytes and half above."""
+        if self.kind != "high":
+            return 0
+        return max(0, math.ceil(self.offset_bytes / page_bytes) - live // 2)
+
+    def pool_pages(self, kv_lens: Sequence[int], page_size: int, page_bytes: int) -> int:
+        """How many pages the pool of these requests has (mlacheck.kvcache.assign_pages
+        allocates exactly these; torch-free, for estimates and the matrix's expansion)."""
+        live = sum(-(-n // page_size) for n in kv_lens)
+        return self.first_live_page(live, page_bytes) + live + self.spare_pages
 
     @property
     def slug(self) -> str:

@@ -4,6 +4,8 @@ markers, seeds, include, duplicates) and one-line MatrixErrors for malformed fil
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -436,3 +438,16 @@ def test_a_case_id_is_computed_once_and_replace_gives_the_new_one() -> None:
     assert other.id == PrefillCase(segments=(Segment(8, 4),), num_heads=16).id
     assert case == PrefillCase(segments=(Segment(8, 4),), num_heads=8)  # the cache is no field
     assert "_identity_json_cache" not in dataclasses.asdict(case)
+
+
+def test_expanding_a_matrix_imports_no_torch() -> None:
+    """`mlacheck run` expands the matrix before its workers start; torch there (2-3 s on a
+    GPU host) was on the critical path of every run (issue 27). The page-boundary classes
+    need the pool's page count, which the placement computes without tensors."""
+    code = ("import sys\nfrom mlacheck.matrices import load\nm = load('premerge')\n"
+            "assert any(mc.case.paging is not None for mc in m.cases)\n"
+            "print('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "False"
