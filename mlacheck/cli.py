@@ -258,19 +258,37 @@ def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, Any] | 
     request = _resolved(request)  # every backend resolved before pytest starts: exit 2
     _stop_if_signalled()
     stage["request"] = request
-    backends, policy = request.backends, request.policy
     device = resolve_device(request.device)
     stage["device"] = device
-    unusable = _unusable(request)
-    if unusable:  # a requested backend is required: the run does not start without it
-        from mlacheck.session import outcome
+    # a requested backend is required: the run does not start without it. Asked in another
+    # process while pytest starts its workers; awaited before the first item
+    with contextlib.closing(_usability_probe(request)) as usable:
+        return _session(args, extra, stage, request, matrix, chosen, results, shard, device,
+                        usable)
 
-        out = outcome([], request, unusable=unusable)
-        for line in out.lines:
-            print(f"mlacheck: not run: {line}", file=sys.stderr)
-        stage.pop("results")  # the file of an earlier run is left as it was
-        return out.code
+
+def _not_run(request, unusable: dict[str, str], stage: dict[str, Any]) -> int:  # noqa: ANN001
+    """A required backend is not usable: one line each, exit 6, and the results file of an
+    earlier run left as it was."""
+    from mlacheck.session import outcome
+
+    out = outcome([], request, unusable=unusable)
+    for line in out.lines:
+        print(f"mlacheck: not run: {line}", file=sys.stderr)
+    stage.pop("results", None)
+    return out.code
+
+
+def _session(args: argparse.Namespace, extra: list[str], stage: dict[str, Any], request: Any,
+             matrix: Any, chosen: Any, results: Path, shard: Any, device: str,
+             usable: _Usability) -> int:
+    """The pytest session of `mlacheck run`, once its request is resolved."""
+    from mlacheck import results as results_file
+
+    backends, policy = request.backends, request.policy
     if chosen.surely_empty and not args.resume:  # pytest said so only after its workers started
+        if unusable := usable.result():
+            return _not_run(request, unusable, stage)
         from mlacheck.outcome import EXIT_NOTHING_COLLECTED
         from mlacheck.selection import nothing_selected
 
@@ -287,9 +305,15 @@ def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, Any] | 
         leave_out = results.with_name(f".{results.name}.done")
         leave_out.write_text("".join(f"{b}\t{c}\n" for b, c in sorted(done)))
         print(f"mlacheck: resuming {results}: {len(done)} item(s) already recorded", flush=True)
-    elif not args.append and results.exists():
-        results.unlink()
-    stage["cleared"] = True
+
+    def clear() -> None:
+        """A fresh run replaces the file of an earlier one: once its backends are usable."""
+        if not (stage.get("cleared") or args.resume or args.append):
+            results.unlink(missing_ok=True)
+        stage["cleared"] = True
+
+    if args.resume or args.append:
+        clear()
     extra, passed_workers = _take_worker_option(extra)
     workers = _workers(passed_workers if passed_workers is not None else args.workers, device)
     argv = [
@@ -341,9 +365,14 @@ def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, Any] | 
     from mlacheck.outcome import gate_lines
 
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    end = _SessionEnd()
+    from mlacheck.pytest_plugin import BackendsUsable
+
+    end, gate = _SessionEnd(), BackendsUsable(usable.result, clear)
     _stop_if_signalled()
-    code = int(pytest.main(argv, plugins=[end]))
+    code = int(pytest.main(argv, plugins=[end, gate]))
+    if gate.unusable:
+        return _not_run(request, gate.unusable, stage)
+    clear()  # pytest stopped before it asked (a usage or internal error): as it would have
     if signal.getsignal(signal.SIGTERM) not in (_interrupt, _again):  # pytest's handling may
         signal.signal(signal.SIGTERM, _interrupt)  # have reset it
     # a signal during pytest's session: pytest stopped and its gate says INCOMPLETE; one it
@@ -418,17 +447,26 @@ def _take_worker_option(extra: list[str]) -> tuple[list[str], int | None]:
     return out, n
 
 
-def _unusable(request) -> dict[str, str]:  # noqa: ANN001 - mlacheck.session.RunRequest
+class _Usability:
     """{name: why} of the requested backends that are not usable here (mlacheck list's
-    verdict: the library is missing, its API does not fit, its probe failed)."""
-    from mlacheck.inventory import backend_status
+    verdict: the library is missing, its API does not fit, its probe failed), from a probe
+    started now (mlacheck.inventory.UsabilityProbe) and read when `result()` is asked."""
 
-    found = {}
-    for spec, name in zip(request.backends, request.names, strict=True):
-        status = backend_status(spec)
-        if not status.usable:
-            found[name] = status.reason or "not usable"
-    return found
+    def __init__(self, request) -> None:  # noqa: ANN001 - mlacheck.session.RunRequest
+        from mlacheck.inventory import UsabilityProbe
+
+        self._names = dict(zip(request.backends, request.names, strict=True))
+        self._probe = UsabilityProbe(list(request.backends))
+
+    def result(self) -> dict[str, str]:
+        return {self._names[spec]: why for spec, why in self._probe.result().items()}
+
+    def close(self) -> None:
+        self._probe.close()
+
+
+def _usability_probe(request) -> _Usability:  # noqa: ANN001 - mlacheck.session.RunRequest
+    return _Usability(request)
 
 
 def _parsed_request(args: argparse.Namespace):  # noqa: ANN202 - mlacheck.session.RunRequest

@@ -9,6 +9,8 @@ only: ...` line ended the old parse, and the GPU gate ran the reference alone).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import platform as _platform
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -53,6 +55,80 @@ def backend_status(name: str, source: str = "builtin") -> BackendStatus:
         return BackendStatus(name, False, f"probing its capabilities raised {type(e).__name__}: "
                                           f"{e}", source=source)
     return BackendStatus(name, True, None, text, source, caps)
+
+
+def unusable_reasons(specs: list[str]) -> dict[str, str]:
+    """{spec: why} of the backends that are not usable here."""
+    found = {}
+    for spec in specs:
+        status = backend_status(spec)
+        if not status.usable:
+            found[spec] = status.reason or "not usable"
+    return found
+
+
+class UsabilityProbe:
+    """unusable_reasons in a separate process, started before a run's workers: importing the
+    libraries is most of the time before the first worker starts (on one H100, 2026-11-27:
+    torch 3.8 s, AITER 5.4 s of the CLI's 9.3 s), and the workers import them again anyway.
+    `result()` waits for the answer; a probe that could not run or died answers in this
+    process instead (the same function), so a broken probe never becomes a verdict."""
+
+    def __init__(self, specs: list[str]) -> None:
+        import subprocess
+        import sys
+        import tempfile
+
+        self.specs = list(specs)
+        self._answer: dict[str, str] | None = None
+        fd, self._path = tempfile.mkstemp(prefix="mlacheck-usable-", suffix=".json")
+        os.close(fd)
+        code = ("import sys; from mlacheck.inventory import _write_unusable; "
+                "_write_unusable(sys.argv[1], sys.argv[2:])")
+        try:  # its output is the file: what a library prints on import is not read
+            self._proc: Any = subprocess.Popen(
+                [sys.executable, "-c", code, self._path, *self.specs],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError:
+            self._proc = None
+
+    def result(self) -> dict[str, str]:
+        if self._answer is None:
+            self._answer = self._read()
+        return self._answer
+
+    def _read(self) -> dict[str, str]:
+        import json
+
+        try:
+            if self._proc is not None and self._proc.wait() == 0:
+                with open(self._path) as f:
+                    doc = json.load(f)
+                if isinstance(doc, dict) and set(doc) <= set(self.specs):
+                    return {str(k): str(v) for k, v in doc.items()}
+        except (OSError, ValueError):
+            pass
+        finally:
+            self.close()
+        return unusable_reasons(self.specs)
+
+    def close(self) -> None:
+        """Stop the probe if it still runs (the run ended first) and remove its file."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        with contextlib.suppress(OSError):
+            os.unlink(self._path)
+
+
+def _write_unusable(path: str, specs: list[str]) -> None:
+    import json
+
+    answer = unusable_reasons(specs)
+    tmp = f"{path}.part"
+    with open(tmp, "w") as f:
+        json.dump(answer, f)
+    os.replace(tmp, path)
 
 
 def backend_statuses(faults: bool = False) -> list[BackendStatus]:

@@ -24,6 +24,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -239,6 +240,7 @@ class _State:
         self.gpu_dir: Path | None = None  # controller: where workers publish their GPU
         self.matrix_cache: Path | None = None  # controller: its expansion, for the workers
         self.nodes_down: dict[str, str] = {}  # controller: worker id -> why xdist lost it
+        self.refused = False  # controller: a requested backend is not usable (BackendsUsable)
         self._matrix: Any = None
         self._started = time.time()  # this session's start (pytest_sessionstart resets it)
 
@@ -729,6 +731,33 @@ class _XdistHooks:
             node.workerinput[_MATRIX_CACHE] = str(state.matrix_cache)
 
 
+class BackendsUsable:
+    """Handed to pytest.main by `mlacheck run`, which asks in another process whether its
+    backends are usable while pytest starts the workers (on one H100: importing torch and
+    AITER was 9.3 s of the controller's time before the first worker started, 2026-11-27).
+    The answer is awaited here, before anything is scheduled: a backend that is not usable
+    runs nothing and writes nothing (`unusable` says why); otherwise `then` (the fresh run's
+    results file cleared) runs first, on an interrupt during the wait too."""
+
+    def __init__(self, answer: Callable[[], dict[str, str]], then: Callable[[], None]) -> None:
+        self.answer, self.then = answer, then
+        self.unusable: dict[str, str] = {}
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtestloop(self, session: pytest.Session) -> bool | None:
+        try:
+            self.unusable = self.answer()
+        finally:
+            if not self.unusable:
+                self.then()
+        if not self.unusable:
+            return None  # xdist's loop runs the items
+        state = session.config.stash.get(_STATE, None)
+        if state is not None:
+            state.refused = True
+        return True
+
+
 def _mla_param(item: pytest.Item) -> MatrixItem | None:
     callspec = getattr(item, "callspec", None)
     return callspec.params.get("mla_item") if callspec else None
@@ -743,7 +772,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if is_worker(config) or not _runs_the_suite(config):
         return
     state: _State = config.stash[_STATE]
-    if exitstatus == pytest.ExitCode.USAGE_ERROR or state.results is None:
+    if exitstatus == pytest.ExitCode.USAGE_ERROR or state.results is None or state.refused:
         return
     from mlacheck.session import outcome
 

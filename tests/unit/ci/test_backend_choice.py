@@ -221,3 +221,20 @@ def test_named_backends_are_all_required_and_cpu_keeps_the_embedded_default() ->
         mlacheck_ci.plan_backends(listing, "cuda", "torch", "aiter")
     with pytest.raises(ValueError, match="not `mlacheck list --json` output"):
         mlacheck_ci.plan_backends({"backends": []}, "cuda", "", "")
+
+
+def test_the_usability_probe_answers_as_the_listing_does_and_without_its_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mlacheck run` asks in a probe process (mlacheck.inventory.UsabilityProbe); where that
+    process cannot start, the same question is answered in this one: never no answer."""
+    import sys
+
+    from mlacheck.inventory import UsabilityProbe, unusable_reasons
+
+    specs = ["torch", "nosuch-backend"]
+    expected = unusable_reasons(specs)
+    assert list(expected) == ["nosuch-backend"] and "unknown backend" in expected["nosuch-backend"]
+    assert UsabilityProbe(specs).result() == expected
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    probe = UsabilityProbe(specs)
+    assert probe._proc is None and probe.result() == expected

@@ -292,7 +292,7 @@ def test_an_explicit_worker_count_is_capped_at_what_cores_and_memory_allow(monke
 @pytest.mark.parametrize("passed", [["-n", "1000"], ["-n1000"], ["-n=1000"],
                                     ["--numprocesses", "1000"], ["--numprocesses=1000"]])
 def test_a_worker_count_passed_through_to_pytest_is_capped_too(
-        passed: list[str], tmp_path, monkeypatch, capsys) -> None:  # noqa: ANN001
+        passed: list[str], tmp_path, monkeypatch, capsys, backends_usable) -> None:  # noqa: ANN001
     """`mlacheck run ... -- -n 1000` reached pytest after mlacheck's own `-n=2` and won: the
     cap on workers did not hold."""
     from mlacheck import cli, preflight
@@ -300,7 +300,6 @@ def test_a_worker_count_passed_through_to_pytest_is_capped_too(
     monkeypatch.setattr(preflight, "gpu_count", lambda: 0)
     monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(cli, "_available_gib", lambda: 23.0)
-    monkeypatch.setattr(cli, "_unusable", lambda request: {})
     seen: list[list[str]] = []
 
     def fake_pytest(argv: list[str], plugins: list) -> int:

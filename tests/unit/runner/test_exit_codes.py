@@ -362,11 +362,32 @@ def test_an_interrupted_run_exits_6_and_says_incomplete(
     assert "INCOMPLETE: 1 of 2 items" in (tmp_path / "report.html").read_text()
 
 
+def test_backends_are_asked_if_usable_beside_the_workers_start(tiny: Path, tmp_path: Path
+                                                              ) -> None:
+    """Issue 27: importing the backends' libraries to ask whether they are usable (torch and
+    AITER: 9.3 s on one H100) held every worker back. A probe process asks while pytest starts
+    the workers, and nothing runs before its answer (the not-usable case above)."""
+    probed = tmp_path / "probed.jsonl"
+    env = {**clean_env(), "PROBED_BY": str(probed), "PROBE_WAIT_S": "60",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(FIXTURES),
+                                                       os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlacheck.cli", "run", "-b", "usability_probe:slow_to_probe",
+         "--matrix", str(tiny), "--results", str(tmp_path / "r.jsonl"), "--no-report", "-n", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == outcome.EXIT_OK, out[-2000:] + err[-2000:]
+    asked = [json.loads(line) for line in probed.read_text().splitlines()]
+    assert proc.pid not in [a["pid"] for a in asked], "the run asked in its own process"
+    by_probe = [a for a in asked if a["probe"]]
+    assert len(by_probe) == 1 and by_probe[0]["workers_starting"], asked
+
+
 @pytest.mark.parametrize("when", ["parsing", "before-pytest", "pytest-start", "report",
                                   "report-after-fail"])
 def test_sigterm_before_workers_start_or_at_report_time_is_exit_6(
         when: str, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], backends_usable: None) -> None:
     """Under `timeout -s TERM` 3 of 8 runs exited 143 (issue 33): SIGTERM was handled around
     pytest.main only, so one before pytest started or while the report was written killed the
     run. The signal is delivered here through the handler installed at that moment (a real
@@ -390,6 +411,7 @@ def test_sigterm_before_workers_start_or_at_report_time_is_exit_6(
     code = outcome.EXIT_KERNEL_FAILURE if when == "report-after-fail" else outcome.EXIT_OK
 
     def fake_pytest(argv, plugins):  # noqa: ANN001, ANN202 - a run that recorded its items
+        plugins[1].pytest_runtestloop(None)  # its backends usable: the old file cleared
         res.write_text(_header(("torch", "c")) + "\n")
         if when == "pytest-start":  # while pytest starts, before its session handles signals
             deliver()
@@ -397,7 +419,6 @@ def test_sigterm_before_workers_start_or_at_report_time_is_exit_6(
         return code
 
     monkeypatch.setenv("PYTHONHASHSEED", "0")
-    monkeypatch.setattr(cli, "_unusable", lambda request: {})
     monkeypatch.setattr(pytest, "main", fake_pytest)
     if when == "before-pytest":
         monkeypatch.setattr(mlacheck.matrices, "load", then_signal(mlacheck.matrices.load))
@@ -440,7 +461,6 @@ def _signal_run(tiny: Path, res: Path, monkeypatch: pytest.MonkeyPatch, where: s
 
     started: list[list[str]] = []
     monkeypatch.setenv("PYTHONHASHSEED", "0")
-    monkeypatch.setattr(cli, "_unusable", lambda request: {})
     monkeypatch.setattr(pytest, "main", lambda argv, plugins: started.append(argv) or 0)
     inner = getattr(cli, where)
 
