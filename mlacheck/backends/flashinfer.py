@@ -30,6 +30,13 @@ per-tensor `k_scale` / `v_scale`: fa2 runs an fp8_e4m3fn K/V under a 16-bit q (k
 into sm_scale, v_scale multiplied into the output by FlashInfer's Python); FP8 q is refused by
 both kernels for MLA's head dims (FP8_PREFILL_REASONS_07 quotes the sources).
 
+What FlashInfer refuses is a SKIP naming the source: 0.7.x's MLA plan() refuses causal batches
+whose q tile cuts a token at a KV tile start (finding 3, fixed by refusing): `causal_tile_rule`
+says so before the call, the same condition. The DeepSeek-V3.2 indexer logits (and the sparse
+pipeline they start) have FlashInfer kernels for SM100+ only, positions -> slots none standalone:
+kernel limits on the H100, the adapter's choice only on a GPU that has the kernel
+(SPARSE_PATH_KERNELS).
+
 FlashInfer returns the LSE in base 2 (log2 of the sum of exp): converted to the natural log
 here (x ln 2). The softmax scale is always passed. Every installed function is checked
 against the keywords passed (toolkit.signature_problem) before first use, and the library
@@ -39,14 +46,16 @@ version goes into every Output's metadata. Capabilities are what was measured on
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from mlacheck import layouts
-from mlacheck.backends.base import Capability, Output
+from mlacheck.backends.base import Capability, CaseRule, Output, adapter_choice
 from mlacheck.backends.toolkit import (
     LibraryAdapter,
     Loaded,
@@ -103,8 +112,11 @@ FP8_RUN_PARAMETERS = ("ckv_scale", "kpe_scale")
 FP8_KV_FORMAT = "fp8_e4m3fn"
 FP8_REASONS = {  # versions whose MLA wrapper takes an FP8 KV cache (0.7.x)
     "format_pairs": "FlashInfer 0.7's MLA fa2/fa3: fp8_e4m3fn KV only under bf16 q, on sm_90 "
-                    "(mla/_batch_mla/_backends/_fa_common.py)",
-    "q_formats": "FlashInfer's MLA takes fp16 / bf16 q (_fa_common.py)",
+                    "(mla/_batch_mla/_backends/_fa_common.py:151-162, 0.7.2.post1)",
+    "q_formats": "FlashInfer's MLA takes fp16 / bf16 q (_fa_common.py:136, 0.7.2.post1)",
+    "kv_formats": "FlashInfer's MLA takes kv_data_type fp16 / bf16 / fp8_e4m3fn only "
+                  "(supported_kv_dtypes, mla/_batch_mla/_backends/_fa_common.py:140, "
+                  "0.7.2.post1); fnuz formats are AMD's",
 }
 NO_FP8_REASONS = {  # versions without (0.2.14.post1, measured on the H100)
     "q_formats": "no FP8 in this FlashInfer's MLA decode: the fa2 JIT fails to compile an "
@@ -112,6 +124,13 @@ NO_FP8_REASONS = {  # versions without (0.2.14.post1, measured on the H100)
     "kv_formats": "no FP8 KV in this FlashInfer's MLA decode (the fa2 JIT fails to compile an "
                   "fp8 variant, measured with 0.2.14.post1; 0.7.x has one)",
 }
+# Both release lines: the MLA kernels take one page stride and one token stride per cache
+# tensor, a token's channels contiguous; CK's vectorized pages interleave tokens inside each
+# 16-byte channel group, which no such pair of strides describes.
+DECODE_LAYOUT_REASON = ("FlashInfer's MLA reads ckv / kpe pages through a page stride and a token "
+                        "stride only (*_stride_page / *_stride_n = stride(0) / stride(1): "
+                        "csrc/batch_mla_run.cu:55-58 and batch_mla_sm90_run.cu:52-55 in "
+                        "0.7.2.post1, :54-57 and :55-58 in 0.2.14.post1)")
 PREFILL_FP8_REASON = {  # 0.2.x, measured on the H100
     "q_formats": "'fp8 tensor core is not supported in fa2 backend' (0.2.14.post1, measured)",
     "kv_formats": "'fp8 tensor core is not supported in fa2 backend' (0.2.14.post1, measured)",
@@ -158,6 +177,152 @@ NO_KEY_LSE_BASE2_AT_MOST = torch.tensor([-5e4 + 64])
 # The last release line whose fa2 paged prefill requires identical K and V strides (read in
 # 0.2.14.post1's csrc/batch_prefill.cu; 0.7.2's batch_prefill_paged.cuh takes unequal ones).
 FA2_EQUAL_KV_STRIDES_UNTIL = (0, 2)
+
+# 0.7.x's MLA plan() refuses, for causal batches, what FlashInfer 0.2.14 computes wrongly
+# (docs/gpu-results.md finding 3): a query token cut by a q-row tile end whose last visible key
+# starts a KV tile (`_validate_fa_causal_tile_bound`, mla/_batch_mla/_backends/_fa_common.py:
+# 325-357 in 0.7.2.post1, raising _BackendPlanUnsupportedError "native execution would omit a
+# visible key"). The installed library has that check when this module defines it.
+FA_CAUSAL_TILE_CHECK = "mla._batch_mla._backends._fa_common._validate_fa_causal_tile_bound"
+FA_TILE_Q = 64  # rows of a q tile, doubled when the batch's mean packed q rows pass it (:336)
+FA3_TILE_KV = 64  # Hopper's KV tile, also on its FP8 path (:339-341)
+FA2_FP8_TILE_KV = 32  # fa2 over an fp8_e4m3fn cache (:342-343)
+# fa2 over a 16-bit cache: the KV tile by shared memory per SM, as mla.cuh's
+# DISPATCH_SMEM_CONFIG chooses it (:344-347): (at least these bytes, tile); 16 below.
+FA2_TILE_KV_BY_SMEM = ((221696, 64), (147968, 32))
+FA2_SMALLEST_TILE_KV = 16
+FA_CAUSAL_TILE_REASON = (
+    "{version}'s MLA plan() refuses it: request {request}, query token {query} is cut by a "
+    "{tile_q}-row q tile end and its last visible key {key} starts a {tile_kv}-key KV tile "
+    "(_validate_fa_causal_tile_bound, mla/_batch_mla/_backends/_fa_common.py:325-357: \"native "
+    "execution would omit a visible key\"; docs/gpu-results.md finding 3)")
+
+
+def fa_kv_tile(kernel: str, kv_format: str, smem_per_sm: int | None) -> int | None:
+    """The KV tile 0.7.x's causal check assumes (None: fa2 16-bit on a GPU of unknown shared
+    memory, where this adapter cannot say; the library's own check still refuses)."""
+    if kernel == "fa3":
+        return FA3_TILE_KV
+    if kv_format == FP8_KV_FORMAT:
+        return FA2_FP8_TILE_KV
+    if smem_per_sm is None:
+        return None
+    return next((t for at_least, t in FA2_TILE_KV_BY_SMEM if smem_per_sm >= at_least),
+                FA2_SMALLEST_TILE_KV)
+
+
+def fa_causal_tile_cut(q_lens: list[int], kv_lens: list[int], heads: int,
+                       tile_kv: int) -> tuple[int, int, int, int] | None:
+    """(request, query, key, tile_q) of the first causal tile cut 0.7.x's MLA plan refuses,
+    else None. q rows are packed token-major (row = token * heads + head) per request."""
+    tile_q = FA_TILE_Q * (2 if sum(q_lens) * heads // len(q_lens) > FA_TILE_Q else 1)
+    if tile_q % heads == 0:  # tile ends fall between tokens
+        return None
+    for request, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        for end in range(tile_q, q_len * heads, tile_q):
+            query, inside = divmod(end, heads)
+            key = kv_len - q_len + query
+            if inside and query < q_len and 0 <= key < kv_len and key % tile_kv == 0:
+                return request, query, key, tile_q
+    return None
+
+
+def causal_tile_rule(version: str, kernel: str, smem_per_sm: int | None) -> CaseRule:
+    """The decode capability rule that says 0.7.x's plan-time refusal before the call."""
+    def rule(case: Case) -> str | None:
+        tile_kv = fa_kv_tile(kernel, case.quant.kv, smem_per_sm)
+        if tile_kv is None:
+            return None
+        reqs = case.requests  # type: ignore[union-attr]
+        cut = fa_causal_tile_cut([r.q_len for r in reqs], [r.kv_len for r in reqs],
+                                 case.num_heads, tile_kv)
+        if cut is None:
+            return None
+        request, query, key, tile_q = cut
+        return FA_CAUSAL_TILE_REASON.format(version=version, request=request, query=query,
+                                            key=key, tile_q=tile_q, tile_kv=tile_kv)
+    return rule
+
+
+# mlacheck's DeepSeek-V3.2 sparse-path ops FlashInfer serves nowhere this adapter runs
+# (sm_80 / sm_90), read in 0.7.2.post1 (and absent from 0.2.14.post1's flashinfer/): the
+# FlashInfer function that would serve the op, the GPUs (compute capability) it has kernels
+# for, and where that is written. On one of those GPUs the SKIP is this adapter's (not wired).
+@dataclass(frozen=True)
+class ArchOnlyKernel:
+    function: str  # dotted name under `flashinfer`
+    archs: tuple[tuple[int, int], ...]
+    source: str
+
+
+_PAGED_LOGITS = ArchOnlyKernel(
+    "fp8_paged_mqa_logits", ((10, 0), (10, 3), (10, 7), (12, 0), (12, 1)),
+    "FlashInfer's paged indexer logits are SM100 / SM103 / SM107 only (fp8_paged_mqa_logits: "
+    "_PAGED_MQA_CCS = [100, 103, 107], attn_scores/attn_scores.py:759, enforced by "
+    "@supported_compute_capability at :1455; \"for Blackwell (SM100/SM103) and Rubin (SM107)\", "
+    ":1610; its experimental twin, paged_mqa.py:30, runs sm_100a / sm_103a only) and SM120 / "
+    "SM121 (the b12x DSA indexer, experimental/b12x/_api.py:1)")
+SPARSE_PATH_KERNELS: dict[str, ArchOnlyKernel] = {
+    Op.MQA_LOGITS: ArchOnlyKernel(
+        "dense_mqa.fp8_mqa_logits", ((10, 0), (10, 3)),
+        "FlashInfer's dense indexer logits (the experimental fp8_mqa_logits, dense_mqa.py:47) "
+        "are built for sm_100a / sm_103a only (_ARCHES, experimental/deepgemm_dense_mqa/"
+        "dense_mqa.py:28)"),
+    Op.PAGED_MQA_LOGITS: _PAGED_LOGITS,
+    Op.SPARSE_PIPELINE: replace(
+        _PAGED_LOGITS, source="the pipeline's first stage, the paged indexer logits: "
+                              + _PAGED_LOGITS.source),
+}
+# No GPU has it: FlashInfer turns request-local positions into global slots only fused with
+# the top-k selection, whose input is scores, not positions.
+INDEX_CONVERSION_REASON = (
+    "FlashInfer has no positions -> slots kernel: the page-table translation exists only fused "
+    "into the top-k over scores (top_k_page_table_transform, topk.py:1077 in 0.7.2.post1; "
+    "0.2.14.post1 has neither)")
+# The top-k of a score row as indices: 0.7.x's flashinfer.top_k (topk.py:876 in 0.7.2.post1);
+# older lines' top-k functions (0.2.14.post1's sampling.py:727, :1185, :1249) return samples,
+# renormalised probabilities or masked logits, never the indices.
+TOP_K_FUNCTION = "top_k"
+NO_TOP_K_REASON = ("{version} has no top-k index kernel: its top_k_sampling_from_probs / "
+                   "top_k_renorm_probs / top_k_mask_logits (flashinfer/sampling.py:727, :1185, "
+                   ":1249 in 0.2.14.post1) return samples, probabilities or masked logits, not "
+                   "indices (flashinfer.top_k came later: topk.py:876 in 0.7.2.post1)")
+
+
+def has_function(got: Loaded, dotted: str) -> bool:
+    """`flashinfer.<dotted>` exists in the installed library (a submodule imported if need be)."""
+    module, _, name = dotted.rpartition(".")
+    try:
+        owner = (importlib.import_module(f"{got.module.__name__}.{module}") if module
+                 else got.module)
+    except ImportError:
+        return False
+    return hasattr(owner, name)
+
+
+def gpu_arch() -> tuple[int, int] | None:
+    """This machine's CUDA compute capability (None: no CUDA GPU)."""
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+def smem_per_sm() -> int | None:
+    """Shared memory per SM of this machine's GPU (None: no GPU, or a torch that does not say)."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return getattr(props, "shared_memory_per_multiprocessor", None)
+
+
+def sparse_path_refusal(got: Loaded, kernel: ArchOnlyKernel, arch: tuple[int, int] | None
+                        ) -> str:
+    """Why an op of the sparse path is not run: the library's limit where it has no kernel for
+    this GPU (or no such function), the adapter's choice on a GPU it has one for."""
+    if not has_function(got, kernel.function):
+        return f"{got.version} has no {kernel.function}: {kernel.source}"
+    here = f"sm_{arch[0]}{arch[1]}" if arch else "no CUDA GPU"
+    if arch in kernel.archs:
+        return adapter_choice(f"{kernel.function} has a kernel for {here}; not wired")
+    return f"{got.version}: {kernel.source}; none for this GPU ({here})"
 
 # Measured on an H100 with flashinfer-python 0.2.14.post1 (benchmarks/capability_probe.py,
 # docs/flashinfer.md): every page size 1..1024, 8..128 heads, MTP (uniform or mixed q_len),
@@ -235,11 +400,13 @@ class FlashInferBackend(LibraryAdapter):
             q_formats=decode_q, kv_formats=decode_kv, format_pairs=frozenset(same),
             scale_policies=scales, lse=True, empty_requests=True, devices=("cuda",),
             layouts=(layouts.LINEAR.name,),  # ckv / kpe are strided views of linear pages
-            reasons=reasons)
+            reasons={**reasons, "layouts": DECODE_LAYOUT_REASON})
         prefill = {op: self._prefill_formats(got, op) for op in (Op.PREFILL, Op.PAGED_PREFILL)}
         return {
+            **self._sparse_path(got),
             Op.DECODE: Capability(
                 **decode, causal=(True,), refusal=problem[Op.DECODE],
+                rules=self._decode_rules(got),
                 notes=f"BatchMLAPagedAttentionWrapper backend={self.kernel}; latent cache as "
                       "strided ckv/kpe views of mlacheck's pool; LSE base 2 -> natural" + fp8_note),
             Op.SPARSE_DECODE: Capability(
@@ -262,6 +429,24 @@ class FlashInferBackend(LibraryAdapter):
                       "head_dim_qk 192 / head_dim_vo 128 over mlacheck's K and V pools as they "
                       "are; LSE base 2 -> natural" + prefill[Op.PAGED_PREFILL][1]),
         }
+
+    def _decode_rules(self, got: Loaded) -> tuple[CaseRule, ...]:
+        """0.7.x's plan-time causal tile refusal, where the installed library makes it."""
+        if not has_function(got, FA_CAUSAL_TILE_CHECK):
+            return ()
+        return (causal_tile_rule(got.version, self.kernel, smem_per_sm()),)
+
+    @staticmethod
+    def _sparse_path(got: Loaded) -> dict[str, Capability]:
+        """The DeepSeek-V3.2 sparse-path ops FlashInfer has no kernel for here, each refused with
+        the library's reason (topk_indices only where the library has no top-k index kernel)."""
+        arch = gpu_arch()
+        caps = {op: Capability(refusal=sparse_path_refusal(got, kernel, arch))
+                for op, kernel in SPARSE_PATH_KERNELS.items()}
+        caps[Op.INDEX_CONVERSION] = Capability(refusal=INDEX_CONVERSION_REASON)
+        if not has_function(got, TOP_K_FUNCTION):
+            caps[Op.TOPK] = Capability(refusal=NO_TOP_K_REASON.format(version=got.version))
+        return caps
 
     def _prefill_formats(self, got: Loaded, op: str) -> tuple[dict[str, Any], str]:
         """The format fields of a prefill op's Capability (with their reasons) and a note: 16-bit

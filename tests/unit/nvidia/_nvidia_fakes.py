@@ -174,7 +174,8 @@ def fake_flash_mla(bug: str = "") -> types.ModuleType:
 # --------------------------------------------------------------------------- flashinfer
 
 
-def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.ModuleType]:
+def fake_flashinfer(bug: str = "", version: str = "0.2.14"
+                    ) -> dict[str, types.ModuleType | None]:
     """FlashInfer's MLA wrapper and ragged / paged prefill wrappers with the signatures of
     `version`: "0.2.14" (flashinfer-python 0.2.14.post1: no FP8 MLA; the fa2 paged prefill
     refuses K/V caches of different strides, as csrc/batch_prefill.cu does) or "0.7"
@@ -203,6 +204,10 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
                 assert q_data_type == torch.bfloat16 and new.get("scale_mode") == "kv-per-tensor"
             else:
                 assert kv_data_type == q_data_type and new.get("scale_mode", "default") == "default"
+            if new_api and causal:
+                fa_common._validate_fa_causal_tile_bound(
+                    qo_indptr.diff().tolist(), kv_len_arr.tolist(), num_heads, self.backend,
+                    kv_data_type)
             self.plan_args = dict(qo=qo_indptr.tolist(), kvp=kv_indptr.tolist(),
                                   kvi=kv_indices, lens=kv_len_arr.tolist(), ps=page_size,
                                   causal=causal, scale=sm_scale, kv_dtype=kv_data_type)
@@ -362,6 +367,30 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
                 out *= s_v
             return (out, lse_out) if return_lse else out
 
+    class _BackendPlanUnsupportedError(ValueError):
+        pass
+
+    def _validate_fa_causal_tile_bound(q_lens: list[int], kv_lens: list[int], num_heads: int,
+                                       backend: str, kv_data_type: Any) -> None:
+        """0.7.2.post1's plan-time refusal (mla/_batch_mla/_backends/_fa_common.py:325-357), said
+        token by token: a token whose q rows a tile end cuts, and whose last visible key opens a
+        KV tile, is refused. The KV tile is an H100's (fa2 16-bit: 64 by its shared memory)."""
+        tile_q = 64 * (2 if sum(q_lens) * num_heads // len(q_lens) > 64 else 1)
+        tile_kv = 32 if backend == "fa2" and kv_data_type == torch.float8_e4m3fn else 64
+        for request, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
+            for token in range(q_len):
+                first, last = token * num_heads, (token + 1) * num_heads  # its rows [first, last)
+                cut = (first // tile_q + 1) * tile_q < last
+                key = kv_len - q_len + token
+                if cut and 0 <= key < kv_len and key % tile_kv == 0:
+                    raise _BackendPlanUnsupportedError(
+                        f"{backend} MLA causal tile boundary is unsupported: request {request}, "
+                        f"num_heads={num_heads}, query={token}, key={key}, native KV tile="
+                        f"{tile_kv}; native execution would omit a visible key.")
+
+    fa_common = types.ModuleType("flashinfer.mla._batch_mla._backends._fa_common")
+    fa_common._validate_fa_causal_tile_bound = _validate_fa_causal_tile_bound
+    fa_common._BackendPlanUnsupportedError = _BackendPlanUnsupportedError
     mla.BatchMLAPagedAttentionWrapper = BatchMLAPagedAttentionWrapper
     prefill.BatchPrefillWithRaggedKVCacheWrapper = BatchPrefillWithRaggedKVCacheWrapper
     prefill.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
@@ -372,7 +401,26 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14") -> dict[str, types.M
                   ("q_scale", "k_scale", "v_scale", "o_scale") if new_api else ())
     for wrapper in (BatchPrefillWithRaggedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper):
         _add_keywords(wrapper.plan, ("o_data_type",) if new_api else ())
-    return {"flashinfer": root, "flashinfer.mla": mla, "flashinfer.prefill": prefill}
+    modules = {"flashinfer": root, "flashinfer.mla": mla, "flashinfer.prefill": prefill}
+    private = ("flashinfer.mla._batch_mla", "flashinfer.mla._batch_mla._backends",
+               "flashinfer.mla._batch_mla._backends._fa_common")
+    if not new_api:  # None in sys.modules: importing it fails, whatever a 0.7 fake left there
+        return {**modules, "flashinfer.dense_mqa": None, **dict.fromkeys(private)}
+    # 0.7's sparse-path entry points (never called by the adapter: no sm_90 kernel) and the
+    # private module whose causal check the adapter mirrors
+    dense_mqa = types.ModuleType("flashinfer.dense_mqa")
+    for holder, name in ((dense_mqa, "fp8_mqa_logits"), (root, "fp8_paged_mqa_logits"),
+                         (root, "top_k"), (root, "top_k_page_table_transform")):
+        setattr(holder, name, _not_called(name))
+    root.dense_mqa = dense_mqa
+    return {**modules, "flashinfer.dense_mqa": dense_mqa,
+            **{name: types.ModuleType(name) for name in private[:-1]}, private[-1]: fa_common}
+
+
+def _not_called(name: str) -> Any:
+    def function(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"the adapter called flashinfer.{name}, which it does not wire")
+    return function
 
 
 def _take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -392,7 +440,7 @@ def _add_keywords(fn: Any, names: tuple[str, ...]) -> None:
     fn.__signature__ = sig.replace(parameters=params)
 
 
-def install(monkeypatch: pytest.MonkeyPatch, modules: dict[str, types.ModuleType]) -> None:
+def install(monkeypatch: pytest.MonkeyPatch, modules: dict[str, types.ModuleType | None]) -> None:
     for name, mod in modules.items():
         monkeypatch.setitem(sys.modules, name, mod)
 

@@ -8,6 +8,8 @@ that a planted library fault FAILs through the adapter. What does not: the real 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from _nvidia_fakes import fake_flash_mla, fake_flashinfer, install, on_cpu  # noqa: I001  (test-local helper)
@@ -136,7 +138,8 @@ def test_a_vectorized_decode_pool_is_a_skip_naming_the_layout(
     vec = DecodeCase(requests=(Request(1, 70),), page_size=64, quant=BF16, layout="vectorized")
     for backend in (flashmla.FlashMLABackend(), flashinfer.FlashInferBackend()):
         v = run_case(vec, on_cpu(backend), RunOptions("cpu"))
-        assert v.status == "SKIP" and v.reason == "layout vectorized not in {linear}", v.reason
+        assert v.status == "SKIP" and v.reason.startswith("layout vectorized not in {linear}"), \
+            v.reason
         assert run_case(DECODE_CASES[0], on_cpu(backend), RunOptions("cpu")).status == "PASS"
 
 
@@ -353,3 +356,146 @@ def test_flashinfer_07_fa2_fp8_q_refusal_is_real(monkeypatch: pytest.MonkeyPatch
     forced.capabilities = lambda: {"mla_prefill": Capability(devices=("cpu",))}
     v = run_case(_prefill(Quant("fp8_e4m3fn", "fp8_e4m3fn"), False), forced, RunOptions("cpu"))
     assert v.status == "CRASH" and "fp8 tensor core is not supported in fa2 backend" in v.reason
+
+
+# --------------------------------------------------------------------------- issue 32: every
+# FlashInfer SKIP a kernel limit with its source (the sparse-path ops, 0.7's causal tile check)
+
+H100_SMEM_PER_SM = 233472  # bytes of shared memory per SM of an H100 (228 KiB)
+SPARSE_PATH_OPS = (Op.MQA_LOGITS, Op.PAGED_MQA_LOGITS, Op.SPARSE_PIPELINE, Op.INDEX_CONVERSION)
+
+
+@pytest.fixture(scope="module")
+def premerge_case_of() -> dict[str, object]:
+    """The first premerge (seed 0) case of each op."""
+    from mlacheck.matrices.loader import load
+
+    cases: dict[str, object] = {}
+    for mc in load("premerge", seed=0).cases:
+        case = getattr(mc, "case", mc)
+        cases.setdefault(case.op, case)
+    return cases
+
+
+def _coverage_column(verdicts: list) -> dict[tuple[str, str], str]:
+    """(backend, op) -> the coverage column its verdicts fall in (one each here)."""
+    from mlacheck.report.coverage import coverage
+
+    cov = coverage(verdicts)
+    return {(b, op): next(iter(c)) for (b, _, op), c in cov.counts.items()}
+
+
+@pytest.mark.parametrize("version", ["0.7", "0.2.14"])
+@pytest.mark.parametrize("kernel", ["fa2", "fa3"])
+def test_flashinfer_sparse_path_skips_are_kernel_limits_on_an_h100(
+        monkeypatch: pytest.MonkeyPatch, premerge_case_of: dict, version: str, kernel: str) -> None:
+    """No FlashInfer kernel for the indexer logits (0.7: SM100+ only; 0.2.14: none), the
+    pipeline they start, or a standalone positions -> slots conversion: kernel limits naming
+    the source, in the coverage table's kernel-limit column."""
+    from mlacheck.report.coverage import KERNEL
+
+    install(monkeypatch, fake_flashinfer(version=version))
+    monkeypatch.setattr(flashinfer, "gpu_arch", lambda: (9, 0))
+    backend = on_cpu(flashinfer.FlashInferBackend(kernel))
+    verdicts = [run_case(premerge_case_of[op], backend, RunOptions("cpu")) for op in SPARSE_PATH_OPS]
+    says = {Op.MQA_LOGITS: "dense_mqa.py:28", Op.PAGED_MQA_LOGITS: "attn_scores/attn_scores.py:759",
+            Op.SPARSE_PIPELINE: "the paged indexer logits",
+            Op.INDEX_CONVERSION: "top_k_page_table_transform, topk.py:1077"}
+    for op, v in zip(SPARSE_PATH_OPS, verdicts, strict=True):
+        assert v.status == "SKIP" and says[op] in v.reason, (op, v.reason)
+        if op != Op.INDEX_CONVERSION:
+            assert ("none for this GPU (sm_90)" if version == "0.7" else "has no") in v.reason
+    assert set(_coverage_column(verdicts).values()) == {KERNEL}
+
+
+def test_flashinfer_07_sparse_path_on_a_gpu_with_the_kernel_is_the_adapters_choice(
+        monkeypatch: pytest.MonkeyPatch, premerge_case_of: dict) -> None:
+    """On sm_100 FlashInfer 0.7 has the indexer logits: not wiring them is the adapter's SKIP;
+    topk_indices stays the adapter's (flashinfer.top_k exists) and 0.2.14's is a kernel limit."""
+    from mlacheck.report.coverage import ADAPTER, KERNEL
+
+    install(monkeypatch, fake_flashinfer(version="0.7"))
+    monkeypatch.setattr(flashinfer, "gpu_arch", lambda: (10, 0))
+    backend = on_cpu(flashinfer.FlashInferBackend("fa2"))
+    ops = (Op.MQA_LOGITS, Op.PAGED_MQA_LOGITS, Op.SPARSE_PIPELINE, Op.TOPK)
+    columns = _coverage_column([run_case(premerge_case_of[op], backend, RunOptions("cpu"))
+                                for op in (*ops, Op.INDEX_CONVERSION)])
+    assert {op: columns["flashinfer", op] for op in ops} == dict.fromkeys(ops, ADAPTER)
+    assert columns["flashinfer", Op.INDEX_CONVERSION] == KERNEL
+    install(monkeypatch, fake_flashinfer(version="0.2.14"))
+    v = run_case(premerge_case_of[Op.TOPK], on_cpu(flashinfer.FlashInferBackend("fa2")),
+                 RunOptions("cpu"))
+    assert v.status == "SKIP" and "has no top-k index kernel" in v.reason, v.reason
+    assert _coverage_column([v]) == {("flashinfer", Op.TOPK): KERNEL}
+
+
+@pytest.mark.parametrize("version", ["0.7", "0.2.14"])
+def test_flashinfer_decode_format_and_layout_skips_name_their_source(
+        monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    install(monkeypatch, fake_flashinfer(version=version))
+    backend = on_cpu(flashinfer.FlashInferBackend("fa2"))
+    vec = DecodeCase(requests=(Request(1, 70),), page_size=64, quant=BF16, layout="vectorized")
+    v = run_case(vec, backend, RunOptions("cpu"))
+    assert v.status == "SKIP" and "csrc/batch_mla_run.cu:55-58" in v.reason, v.reason
+    fnuz = DecodeCase(requests=(Request(1, 70),), page_size=64,
+                      quant=Quant("bf16", "fp8_e4m3fnuz", "unit"))
+    v = run_case(fnuz, backend, RunOptions("cpu"))
+    says = "_fa_common.py:140" if version == "0.7" else "measured with 0.2.14.post1"
+    assert v.status == "SKIP" and v.reason.startswith("kv format fp8_e4m3fnuz") and says in v.reason
+
+
+@pytest.mark.parametrize("row", __import__("_h100_fi07_causal_tile").H100_FI07_CAUSAL_TILE,
+                         ids=lambda r: f"{r[0]}-{r[1]}-h{r[2]}-b{len(r[3])}")
+def test_flashinfer_07_causal_tile_rule_says_what_the_h100_refused(row: tuple) -> None:
+    """The rule computed before plan() against what 0.7.2.post1's plan() did on the H100:
+    the same (request, query, key, KV tile) where it refused, nothing where it ran the case."""
+    kernel, kv, heads, q_lens, kv_lens, refused = row
+    tile_kv = flashinfer.fa_kv_tile(kernel, kv, H100_SMEM_PER_SM)
+    cut = flashinfer.fa_causal_tile_cut(list(q_lens), list(kv_lens), heads, tile_kv)
+    assert (None if cut is None else (*cut[:3], tile_kv)) == refused
+
+
+FINDING_3 = DecodeCase(requests=(Request(2, 65),), num_heads=96, page_size=64)  # known.py's
+
+
+@pytest.mark.parametrize("kernel", ["fa2", "fa3"])
+def test_flashinfer_07_causal_tile_cut_is_a_kernel_limit_skip(
+        monkeypatch: pytest.MonkeyPatch, kernel: str) -> None:
+    """Finding 3's case: 0.7's plan() refuses it, so the adapter SKIPs it first, saying why (a
+    kernel limit); forced past the rule, the (fake) library's plan() raises that refusal; one
+    key more is no cut and runs; 0.2.14 (no such check) runs it."""
+    from mlacheck.report.coverage import KERNEL, skip_class
+
+    install(monkeypatch, fake_flashinfer(version="0.7"))
+    monkeypatch.setattr(flashinfer, "smem_per_sm", lambda: H100_SMEM_PER_SM)
+    backend = on_cpu(flashinfer.FlashInferBackend(kernel))
+    v = run_case(FINDING_3, backend, RunOptions("cpu"))
+    assert v.status == "SKIP", v.reason
+    assert "_validate_fa_causal_tile_bound" in v.reason and "_fa_common.py:325-357" in v.reason
+    assert "request 0, query token 1" in v.reason and "key 64 starts a 64-key KV tile" in v.reason
+    assert skip_class(v.reason) == KERNEL
+    forced = on_cpu(flashinfer.FlashInferBackend(kernel))
+    caps = forced.capabilities()
+    forced.capabilities = lambda: {**caps, "mla_decode": replace(caps["mla_decode"], rules=())}
+    crashed = run_case(FINDING_3, forced, RunOptions("cpu"))
+    assert "native execution would omit a visible key" in crashed.reason, crashed.reason
+    one_more = replace(FINDING_3, requests=(Request(2, 66),))
+    assert run_case(one_more, backend, RunOptions("cpu")).status == "PASS"
+    install(monkeypatch, fake_flashinfer(version="0.2.14"))
+    ran = run_case(FINDING_3, on_cpu(flashinfer.FlashInferBackend(kernel)), RunOptions("cpu"))
+    assert ran.executed, ran.reason
+
+
+def test_flashinfer_07_fa2_16_bit_tile_needs_the_gpus_shared_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """fa2's 16-bit KV tile follows the GPU's shared memory: unknown (no GPU), the rule does not
+    guess and the library's own refusal stands; an FP8 cache's tile (32) needs no GPU facts."""
+    install(monkeypatch, fake_flashinfer(version="0.7"))
+    monkeypatch.setattr(flashinfer, "smem_per_sm", lambda: None)
+    backend = on_cpu(flashinfer.FlashInferBackend("fa2"))
+    v = run_case(FINDING_3, backend, RunOptions("cpu"))
+    assert v.status != "SKIP" and "native execution would omit a visible key" in v.reason
+    fp8 = DecodeCase(requests=(Request(1, 300), Request(2, 65), Request(1, 1025)), num_heads=48,
+                     page_size=64, quant=Quant("bf16", "fp8_e4m3fn", "unit"))
+    v = run_case(fp8, backend, RunOptions("cpu"))
+    assert v.status == "SKIP" and "key 64 starts a 32-key KV tile" in v.reason, v.reason
