@@ -26,7 +26,7 @@ def pick_unit(queue: list[str], need: Callable[[str], int], held: int, budget: i
 
 def case_scheduler(config: Any, log: Any, need: dict[str, int],
                    gpu_dir: Path | None) -> Any:
-    """xdist's loadgroup scheduling (a case's items to one worker, in order), with three
+    """xdist's loadgroup scheduling (a case's items to one worker, in order), with these
     changes. `need`: each case's device memory (footprint.estimate) by case id; `gpu_dir`:
     where the workers publish their GPU (None: no GPUs).
 
