@@ -36,6 +36,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -91,6 +92,23 @@ _RECEIVED: list[str] = []
 def _stop_if_signalled() -> None:
     if _RECEIVED:
         raise KeyboardInterrupt(f"signal {_RECEIVED[0]}")
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGTERM / SIGINT held, and acted on when the block ends: a KeyboardInterrupt raised
+    inside torch's import can end in abort() (exit 134, a traceback through
+    torch/functional.py: `timeout -s TERM 1` on the tiny matrix, 2026-11-27)."""
+    previous = _hold_signals()
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if _HELD:
+        first = _HELD[0]
+        _HELD.clear()
+        _interrupt(first, None)
 
 
 # `timeout -s TERM` sends its signal twice, to the run and to its process group: the second,
@@ -255,7 +273,8 @@ def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, Any] | 
             results_file.read_raw(results).headers) if results.exists() else 0)
     chosen = _selection(matrix, request.backends, args)
     stage["kept"] = chosen.kept
-    request = _resolved(request)  # every backend resolved before pytest starts: exit 2
+    with _signals_held():  # imports torch
+        request = _resolved(request)  # every backend resolved before pytest starts: exit 2
     _stop_if_signalled()
     stage["request"] = request
     device = resolve_device(request.device)

@@ -18,6 +18,7 @@ device discovery mlacheck.preflight.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -100,6 +101,7 @@ def pytest_configure(config: pytest.Config) -> None:
             config.option.loadgroup = True
         _map_worker_to_device(int(re.sub(r"\D", "", str(info.get("workerid", ""))) or 0))
         _share_cpu_threads(int(info.get("workercount", 1)))
+        config.pluginmanager.register(_WorkerEnd(), "mla-worker-end")
     state = _State(config)
     config.stash[_STATE] = state
     if config.pluginmanager.hasplugin("xdist") and not config.pluginmanager.has_plugin("mla-xdist"):
@@ -121,6 +123,30 @@ def pytest_configure(config: pytest.Config) -> None:
             if state.device.startswith("cuda"):
                 state.gpu_dir = Path(tempfile.mkdtemp(prefix="mlacheck-gpus-"))
             state.matrix_cache = _export_matrix()
+
+
+class _WorkerEnd:
+    """An xdist worker leaves as soon as its session is over: its last report ("workerfinished")
+    is sent by then, and the controller waited for each worker's interpreter to tear down
+    torch and its GPU context (the last worker's exit held the run 2.5 s past its last item
+    on one H100, 2026-11-27). What the process holds is given back first: the kept case's
+    device reservation (mlacheck.harness), buffered output, the fault-dump file."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        if not _runs_the_suite(config) or os.environ.get(_KEEP_WORKERS_ENV):
+            return
+        if "mlacheck.harness" in sys.modules:
+            sys.modules["mlacheck.harness"].release_shared()
+        for f in (*_FAULT_FILE, sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                f.flush()
+        os._exit(0)
+
+
+# Set (to anything): xdist workers end the usual way (interpreter teardown), e.g. under a
+# coverage tool that writes its data at exit.
+_KEEP_WORKERS_ENV = "MLACHECK_SLOW_WORKER_EXIT"
 
 
 def _export_matrix() -> Path | None:
