@@ -273,15 +273,17 @@ def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, Any] | 
             results_file.read_raw(results).headers) if results.exists() else 0)
     chosen = _selection(matrix, request.backends, args)
     stage["kept"] = chosen.kept
-    with _signals_held():  # imports torch
-        request = _resolved(request)  # every backend resolved before pytest starts: exit 2
-    _stop_if_signalled()
-    stage["request"] = request
-    device = resolve_device(request.device)
-    stage["device"] = device
     # a requested backend is required: the run does not start without it. Asked in another
-    # process while pytest starts its workers; awaited before the first item
+    # process from here (beside this one's torch import and pytest starting the workers),
+    # awaited before the first item
     with contextlib.closing(_usability_probe(request)) as usable:
+        with _signals_held():  # imports torch
+            request = _resolved(request)  # every backend resolved before pytest starts: exit 2
+        _stop_if_signalled()
+        stage["request"] = request
+        usable.resolved(request)
+        device = resolve_device(request.device)
+        stage["device"] = device
         return _session(args, extra, stage, request, matrix, chosen, results, shard, device,
                         usable)
 
@@ -469,16 +471,21 @@ def _take_worker_option(extra: list[str]) -> tuple[list[str], int | None]:
 class _Usability:
     """{name: why} of the requested backends that are not usable here (mlacheck list's
     verdict: the library is missing, its API does not fit, its probe failed), from a probe
-    started now (mlacheck.inventory.UsabilityProbe) and read when `result()` is asked."""
+    started on the backends as requested (mlacheck.inventory.UsabilityProbe) and read, under
+    the names they resolved to, when `result()` is asked."""
 
     def __init__(self, request) -> None:  # noqa: ANN001 - mlacheck.session.RunRequest
         from mlacheck.inventory import UsabilityProbe
 
-        self._names = dict(zip(request.backends, request.names, strict=True))
         self._probe = UsabilityProbe(list(request.backends))
+        self._names: dict[str, str] = {}
+
+    def resolved(self, request) -> None:  # noqa: ANN001 - mlacheck.session.RunRequest
+        self._names = dict(zip(request.backends, request.names, strict=True))
 
     def result(self) -> dict[str, str]:
-        return {self._names[spec]: why for spec, why in self._probe.result().items()}
+        return {self._names[spec]: why for spec, why in self._probe.result().items()
+                if spec in self._names}
 
     def close(self) -> None:
         self._probe.close()

@@ -8,6 +8,9 @@ import pytest
 class _AllUsable:
     """`mlacheck run`'s usability probe, answered without a probe process."""
 
+    def resolved(self, request: object) -> None:
+        pass
+
     def result(self) -> dict[str, str]:
         return {}
 
