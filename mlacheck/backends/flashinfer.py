@@ -17,9 +17,6 @@
   slots. The latent pool is viewed as a flat token pool ([pages * page_size, 1, 576], the same
   bytes: a view, no copy), each query token is one request (causal off) and its kv_indices are
   its valid top-k global slots (-1 padding dropped). The verdict's `implementation` says so.
-- topk_indices (0.7.x): `flashinfer.top_k_ragged_transform` over mlacheck's logit rows as they
-  are (decode rows from column 0; prefill rows with row_starts = each row's window start), so
-  the positions come back request-local, -1 past a row's window.
 
 Versions: written for flashinfer-python 0.2.14.post1 and 0.7.x (the same wrapper keywords).
 What differs is read from the installed library: 0.7.x's MLA `plan` takes
@@ -70,7 +67,7 @@ from mlacheck.backends.toolkit import (
     topk_to_global_slots,
 )
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
-from mlacheck.spec import Case, DecodeCase, Op, PrefillCase, SparseDecodeCase, TopkCase
+from mlacheck.spec import Case, DecodeCase, Op, PrefillCase, SparseDecodeCase
 
 MODULE = "flashinfer"
 DISTRIBUTIONS = ("flashinfer-python", "flashinfer")
@@ -102,14 +99,12 @@ CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
         "logits_soft_cap", "sm_scale", "q_data_type", "kv_data_type"),
     "prefill.BatchPrefillWithPagedKVCacheWrapper.run": (
         "q", "paged_kv_cache", "out", "return_lse"),
-    "top_k_ragged_transform": ("input", "offsets", "lengths", "k", "row_starts"),
 }
 OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
     Op.DECODE: tuple(k for k in CALLED_PARAMETERS if k.startswith("mla.")),
     Op.SPARSE_DECODE: tuple(k for k in CALLED_PARAMETERS if k.startswith("mla.")),
     Op.PREFILL: tuple(k for k in CALLED_PARAMETERS if k.startswith("prefill.BatchPrefillWithRagged")),
     Op.PAGED_PREFILL: tuple(k for k in CALLED_PARAMETERS if k.startswith("prefill.BatchPrefillWithPaged")),
-    Op.TOPK: ("top_k_ragged_transform",),
 }
 # FP8 KV in the MLA decode (0.7.x): extra keywords of plan / run, used only when present.
 FP8_PLAN_PARAMETER = "scale_mode"
@@ -284,17 +279,14 @@ INDEX_CONVERSION_REASON = (
     "FlashInfer has no positions -> slots kernel: the page-table translation exists only fused "
     "into the top-k over scores (top_k_page_table_transform, topk.py:1077 in 0.7.2.post1; "
     "0.2.14.post1 has neither)")
-# topk_indices: 0.7.x's top_k_ragged_transform (topk.py:1330 in 0.7.2.post1), the top-k of each
-# row's window [row_starts, row_starts + lengths) as positions relative to row_starts (plus
-# offsets, 0 here), -1 past the window, int32 [rows, k]. Its radix and CUB paths have no arch
-# requirement; only the clusters path is SM100 (can_use_clusters_topk). Older lines' top-k
-# functions (0.2.14.post1's sampling.py:727, :1185, :1249) return samples, renormalised
-# probabilities or masked logits, never the indices.
-TOP_K_FUNCTION = OP_FUNCTIONS[Op.TOPK][0]
+# The top-k of a score row as indices: 0.7.x's flashinfer.top_k (topk.py:876 in 0.7.2.post1);
+# older lines' top-k functions (0.2.14.post1's sampling.py:727, :1185, :1249) return samples,
+# renormalised probabilities or masked logits, never the indices.
+TOP_K_FUNCTION = "top_k"
 NO_TOP_K_REASON = ("{version} has no top-k index kernel: its top_k_sampling_from_probs / "
                    "top_k_renorm_probs / top_k_mask_logits (flashinfer/sampling.py:727, :1185, "
                    ":1249 in 0.2.14.post1) return samples, probabilities or masked logits, not "
-                   "indices (top_k_ragged_transform came later: topk.py:1330 in 0.7.2.post1)")
+                   "indices (flashinfer.top_k came later: topk.py:876 in 0.7.2.post1)")
 
 
 def has_function(got: Loaded, dotted: str) -> bool:
@@ -411,7 +403,7 @@ class FlashInferBackend(LibraryAdapter):
             reasons={**reasons, "layouts": DECODE_LAYOUT_REASON})
         prefill = {op: self._prefill_formats(got, op) for op in (Op.PREFILL, Op.PAGED_PREFILL)}
         return {
-            **self._sparse_path(got, problem[Op.TOPK]),
+            **self._sparse_path(got),
             Op.DECODE: Capability(
                 **decode, causal=(True,), refusal=problem[Op.DECODE],
                 rules=self._decode_rules(got),
@@ -445,20 +437,15 @@ class FlashInferBackend(LibraryAdapter):
         return (causal_tile_rule(got.version, self.kernel, smem_per_sm()),)
 
     @staticmethod
-    def _sparse_path(got: Loaded, topk_problem: str | None) -> dict[str, Capability]:
-        """The DeepSeek-V3.2 sparse-path ops: the top-k where the library has its kernel (0.7.x),
-        the others refused with the library's reason (no kernel here)."""
+    def _sparse_path(got: Loaded) -> dict[str, Capability]:
+        """The DeepSeek-V3.2 sparse-path ops FlashInfer has no kernel for here, each refused with
+        the library's reason (topk_indices only where the library has no top-k index kernel)."""
         arch = gpu_arch()
         caps = {op: Capability(refusal=sparse_path_refusal(got, kernel, arch))
                 for op, kernel in SPARSE_PATH_KERNELS.items()}
         caps[Op.INDEX_CONVERSION] = Capability(refusal=INDEX_CONVERSION_REASON)
-        caps[Op.TOPK] = Capability(
-            empty_requests=True, devices=("cuda",),
-            refusal=(topk_problem if has_function(got, TOP_K_FUNCTION)
-                     else NO_TOP_K_REASON.format(version=got.version)),
-            notes=f"{TOP_K_FUNCTION}: decode rows from column 0, prefill rows with row_starts = "
-                  "each row's window start, offsets 0 (positions request-local); -1 past a "
-                  "row's window")
+        if not has_function(got, TOP_K_FUNCTION):
+            caps[Op.TOPK] = Capability(refusal=NO_TOP_K_REASON.format(version=got.version))
         return caps
 
     def _prefill_formats(self, got: Loaded, op: str) -> tuple[dict[str, Any], str]:
@@ -498,8 +485,7 @@ class FlashInferBackend(LibraryAdapter):
         if isinstance(got, str):
             raise RuntimeError(got)
         op_run = {Op.PREFILL: self._prefill, Op.PAGED_PREFILL: self._paged_prefill,
-                  Op.DECODE: self._decode, Op.SPARSE_DECODE: self._sparse,
-                  Op.TOPK: self._topk}[case.op]
+                  Op.DECODE: self._decode, Op.SPARSE_DECODE: self._sparse}[case.op]
         out = op_run(got, case, inputs)  # type: ignore[operator]
         out.metadata.setdefault("flashinfer", {}).update(version=got.version, kernel=self.kernel)
         return out
@@ -567,20 +553,6 @@ class FlashInferBackend(LibraryAdapter):
             f"{tuple(flat.shape)} tokens (no copy); one request per query token "
             f"({case.total_q}), kv_indices = its valid top-k global slots, causal off")}
         return out
-
-    def _topk(self, got: Loaded, case: TopkCase, inputs: Any) -> Output:
-        """top_k_ragged_transform over mlacheck's FP32 logit rows (pipeline_inputs.TopkInputs):
-        each row's window is [k_start, k_end); the prefill form's batch-wide rows start their
-        window at the request's first column, so positions relative to it are request-local."""
-        starts = inputs.k_start.to(torch.int32).contiguous()
-        lengths = (inputs.k_end - inputs.k_start).to(torch.int32).contiguous()
-        prefill = case.form == "prefill"
-        out = got.function(TOP_K_FUNCTION)(
-            input=inputs.logits.contiguous(), offsets=torch.zeros_like(lengths), lengths=lengths,
-            k=case.topk, row_starts=starts if prefill else None)
-        return Output(out, metadata={"flashinfer": {"topk": (
-            f"{TOP_K_FUNCTION}, {'row_starts = window starts' if prefill else 'rows from 0'}, "
-            "offsets 0")}})
 
     def _prefill(self, got: Loaded, case: PrefillCase, inputs: PrefillInputs) -> Output:
         dev = inputs.device

@@ -413,25 +413,6 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14"
                          (root, "top_k"), (root, "top_k_page_table_transform")):
         setattr(holder, name, _not_called(name))
     root.dense_mqa = dense_mqa
-
-    def top_k_ragged_transform(input, offsets, lengths, k, deterministic=False, tie_break=0,  # noqa: A002, ANN001, ANN202
-                               dsa_graph_safe=False, row_starts=None):
-        """topk.py:1330 (0.7.2.post1): per row the top k of input[i, start : start + length],
-        positions relative to start, plus offsets[i]; -1 past the length; int32 [rows, k], in
-        no particular order (here: the window's last first). `bug="topk-absolute-positions"`
-        returns the column instead of the position relative to row_starts."""
-        assert input.is_contiguous() and lengths.dtype == offsets.dtype == torch.int32
-        out = torch.full((input.shape[0], k), -1, dtype=torch.int32)
-        for i in range(input.shape[0]):
-            start = 0 if row_starts is None else int(row_starts[i])
-            window = input[i, start: start + int(lengths[i])]
-            picked = torch.topk(window, min(k, window.numel())).indices.flip(0)
-            if bug == "topk-absolute-positions":
-                picked = picked + start
-            out[i, : picked.numel()] = (picked + int(offsets[i])).to(torch.int32)
-        return out
-
-    root.top_k_ragged_transform = top_k_ragged_transform
     return {**modules, "flashinfer.dense_mqa": dense_mqa,
             **{name: types.ModuleType(name) for name in private[:-1]}, private[-1]: fa_common}
 
