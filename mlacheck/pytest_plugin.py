@@ -267,6 +267,7 @@ class _State:
         self.matrix_cache: Path | None = None  # controller: its expansion, for the workers
         self.nodes_down: dict[str, str] = {}  # controller: worker id -> why xdist lost it
         self.refused = False  # controller: a requested backend is not usable (BackendsUsable)
+        self.collect_errors: list[str] = []  # controller: failed collections (a worker's)
         self._matrix: Any = None
         self._started = time.time()  # this session's start (pytest_sessionstart resets it)
 
@@ -689,6 +690,19 @@ def worker_died(state: _State, item: MatrixItem, worker: str) -> tuple[str, str]
     return line, reason
 
 
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """A collection that failed (in the controller: a worker's, which xdist forwards, or one
+    whose items differ from the run's: mlacheck.scheduling) makes the run INCOMPLETE, whenever
+    it came: a worker whose collection differs arrived after the others had run everything,
+    and the run went green beside its printed ERROR (found in review of the early start)."""
+    config = _CONFIG.get("config")
+    if not report.failed or config is None or is_worker(config) or _STATE not in config.stash:
+        return
+    first = (str(report.longrepr).strip().splitlines() or ["no reason given"])[0][:200]
+    config.stash[_STATE].collect_errors.append(
+        f"INCOMPLETE: collecting {report.nodeid or 'the suite'} failed: {first}")
+
+
 @pytest.hookimpl(trylast=True)  # after -k / -m deselected theirs
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
                                   items: list[pytest.Item]) -> None:
@@ -808,7 +822,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     opt = config.option
     state.outcome = out = outcome(state.results, RunRequest() if internal else state.request,
                                   interrupted=exitstatus == pytest.ExitCode.INTERRUPTED,
-                                  internal_error=internal,
+                                  internal_error=internal, incomplete=state.collect_errors,
                                   selection=selected_by(getattr(opt, "keyword", ""),
                                                         getattr(opt, "markexpr", "")))
     session.exitstatus = out.code

@@ -373,3 +373,57 @@ def test_a_late_collection_that_differs_is_reported_and_the_run_is_incomplete(
     assert len(header["run"]["expected"]) == 4  # gw0's collection is the run's
     assert 0 < len(verdicts) < 4 and {v["worker"] for v in verdicts} == {"gw0"}
     assert f"INCOMPLETE: {len(verdicts)} of 4 items have a verdict" in r.stdout
+
+
+# gw1 collects one item less, and only once gw0 has two verdicts: gw0 then holds the last two
+# cases (the queue is empty) and each takes 3 s, so the run is still going when gw1's arrives.
+DIFFERENT_COLLECTION_AFTER_THE_HAND_OUT = """
+import json, os, time
+from pathlib import Path
+
+import pytest
+
+CALLS = []
+
+
+def _worker(config):
+    return getattr(config, "workerinput", {}).get("workerid")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    if _worker(config) == "gw1":
+        del items[-1]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session):
+    if _worker(session.config) != "gw1":
+        return
+    results, deadline = Path(os.environ["MLA_RESULTS"]), time.time() + 60
+    while time.time() < deadline:
+        if results.exists() and len(results.read_text().splitlines()) >= 3:
+            return
+        time.sleep(0.05)
+
+
+def pytest_runtest_call(item):
+    if _worker(item.config) == "gw0":
+        CALLS.append(1)
+        if len(CALLS) > 2:
+            time.sleep(3)
+"""
+
+
+def test_a_collection_that_differs_after_the_hand_out_still_makes_the_run_incomplete(
+        tmp_path: Path) -> None:
+    """The same run is not a pass or not depending on when a worker's collection came: with
+    every case handed out to gw0 when gw1's differing collection came, all 4 ran and the gate
+    said exit 0 beside the printed ERROR."""
+    r, res = _run_with(DIFFERENT_COLLECTION_AFTER_THE_HAND_OUT, tmp_path)
+    assert r.returncode == 6, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "ERROR collecting gw1" in r.stdout
+    header, *verdicts = (json.loads(line) for line in res.read_text().splitlines())
+    assert [v["status"] for v in verdicts] == ["PASS"] * 4  # all ran, on gw0
+    assert {v["worker"] for v in verdicts} == {"gw0"}
+    assert "INCOMPLETE: collecting gw1 failed: Different tests were collected" in r.stdout
