@@ -329,8 +329,9 @@ def test_a_run_ends_cleanly_when_its_work_is_done_before_a_slow_worker_collects(
 
 # gw1 collects one item less, and only once gw0's collection is in (the controller writes the
 # run header then); gw0's first item takes 3 s, so most of the queue is still there.
-DIFFERENT_LATE_COLLECTION = """
-import os, time
+# A plugin under which gw1 collects one item less than the others.
+GW1_COLLECTS_ONE_LESS = """
+import json, os, time
 from pathlib import Path
 
 import pytest
@@ -344,7 +345,8 @@ def _worker(config):
 def pytest_collection_modifyitems(session, config, items):
     if _worker(config) == "gw1":
         del items[-1]
-
+"""
+DIFFERENT_LATE_COLLECTION = GW1_COLLECTS_ONE_LESS + """
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_finish(session):
@@ -377,23 +379,8 @@ def test_a_late_collection_that_differs_is_reported_and_the_run_is_incomplete(
 
 # gw1 collects one item less, and only once gw0 has two verdicts: gw0 then holds the last two
 # cases (the queue is empty) and each takes 3 s, so the run is still going when gw1's arrives.
-DIFFERENT_COLLECTION_AFTER_THE_HAND_OUT = """
-import json, os, time
-from pathlib import Path
-
-import pytest
-
+DIFFERENT_COLLECTION_AFTER_THE_HAND_OUT = GW1_COLLECTS_ONE_LESS + """
 CALLS = []
-
-
-def _worker(config):
-    return getattr(config, "workerinput", {}).get("workerid")
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(session, config, items):
-    if _worker(config) == "gw1":
-        del items[-1]
 
 
 @pytest.hookimpl(tryfirst=True)
