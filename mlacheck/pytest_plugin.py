@@ -335,7 +335,6 @@ class _State:
 
     def items(self) -> list[MatrixItem]:
         if self._items is None:
-            from mlacheck import cost
             from mlacheck.backends.registry import BackendError
             from mlacheck.matrices import MatrixError, load
 
@@ -350,11 +349,10 @@ class _State:
             self.matrix_case_ids = [mc.case.id for mc in matrix.cases]
             leave_out = _leave_out(self.config.getoption("--mla-leave-out"))
             # case by case (a case's inputs and references serve all its backends in one
-            # worker: mlacheck.harness), longest first by estimated time (the long cases
-            # start first, and workers do not wait at the end for one that started last)
-            names = list(request.names)
-            cases = sorted(matrix.cases,
-                           key=lambda mc: (-cost.case_s(mc.case, names, self.device), mc.case.id))
+            # worker: mlacheck.harness), in the scheduler's order
+            from mlacheck.scheduling import case_order
+
+            cases = case_order(matrix.cases, request.names, self.device)
             self._items = [MatrixItem(b, mc.case, tuple(mc.markers)) for mc in cases
                            for b in self.backend_names if (b, mc.case.id) not in leave_out]
         return self._items

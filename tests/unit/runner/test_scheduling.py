@@ -414,3 +414,22 @@ def test_a_collection_that_differs_after_the_hand_out_still_makes_the_run_incomp
     assert [v["status"] for v in verdicts] == ["PASS"] * 4  # all ran, on gw0
     assert {v["worker"] for v in verdicts} == {"gw0"}
     assert "INCOMPLETE: collecting gw1 failed: Different tests were collected" in r.stdout
+
+
+def test_cases_a_known_failure_can_end_a_worker_on_go_first_then_longest_first() -> None:
+    """The nightly's two AITER Triton indexer cases that can take their worker down (an
+    illegal memory access) come before the longest case; without aiter-triton among the
+    backends the order is the estimate's alone."""
+    from mlacheck import cost
+    from mlacheck.matrices import load
+    from mlacheck.scheduling import case_order
+
+    cases = load("nightly").cases
+    backends = ["torch", "aiter-model", "aiter-triton"]
+    order = [mc.case.id for mc in case_order(cases, backends, "cuda")]
+    assert [i.split("-high")[0] for i in order[:2]] == ["pidx-b2-kv700-2100-h64-d128-p64-e4m3fn"] * 2
+    longest = max(cases, key=lambda mc: cost.case_s(mc.case, backends, "cuda")).case.id
+    assert order[2] == longest
+    torch_only = [mc.case.id for mc in case_order(cases, ["torch"], "cuda")]
+    assert torch_only[0] == max(cases, key=lambda mc: cost.case_s(mc.case, ["torch"], "cuda")).case.id
+    assert not torch_only[0].startswith("pidx-")
