@@ -276,7 +276,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, Any] | 
     # a requested backend is required: the run does not start without it. Asked in another
     # process from here (beside this one's torch import and pytest starting the workers),
     # awaited before the first item
-    with contextlib.closing(_usability_probe(request)) as usable:
+    with contextlib.closing(_Usability(request)) as usable:
         with _signals_held():  # imports torch
             request = _resolved(request)  # every backend resolved before pytest starts: exit 2
         _stop_if_signalled()
@@ -490,9 +490,6 @@ class _Usability:
     def close(self) -> None:
         self._probe.close()
 
-
-def _usability_probe(request) -> _Usability:  # noqa: ANN001 - mlacheck.session.RunRequest
-    return _Usability(request)
 
 
 def _parsed_request(args: argparse.Namespace):  # noqa: ANN202 - mlacheck.session.RunRequest

@@ -117,8 +117,9 @@ class UsabilityProbe:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
-        with contextlib.suppress(OSError):
-            os.unlink(self._path)
+        for path in (self._path, f"{self._path}.part"):  # .part: a probe killed mid-write
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def _write_unusable(path: str, specs: list[str]) -> None:

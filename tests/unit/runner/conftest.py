@@ -24,4 +24,4 @@ def backends_usable(monkeypatch: pytest.MonkeyPatch) -> None:
     never awaits one)."""
     from mlacheck import cli
 
-    monkeypatch.setattr(cli, "_usability_probe", lambda request: _AllUsable())
+    monkeypatch.setattr(cli, "_Usability", lambda request: _AllUsable())
