@@ -89,31 +89,70 @@ DECODE_FUNCTIONS = ("get_mla_metadata", "flash_mla_with_kvcache")
 # 128 / 512 / 2048: docs/flashmla.md).
 SPARSE_PREFILL_HEADS = (64, 128)
 SPARSE_PREFILL_TOPK_MULTIPLE = 128
+# Every SKIP reason below is a kernel limit read in FlashMLA's sources at 9241ae3 (the head of
+# its main when fetched), named by file:line.
 SPARSE_PREFILL_REASONS = {
-    "q_formats": "flash_mla_sparse_fwd takes bf16 q and kv",
-    "kv_formats": "flash_mla_sparse_fwd takes bf16 q and kv",
-    "head_counts": "FlashMLA's sm_90 sparse prefill: h_q 64 or 128",
+    "q_formats": "flash_mla_sparse_fwd takes bf16 q and kv (KU_CHECK_DTYPE(q / kv, kBFloat16), "
+                 "csrc/api/sparse_fwd.h:140-141)",
+    "kv_formats": "flash_mla_sparse_fwd takes bf16 q and kv (KU_CHECK_DTYPE(q / kv, kBFloat16), "
+                  "csrc/api/sparse_fwd.h:140-141)",
+    "head_counts": "FlashMLA's sm_90 sparse prefill: h_q 64 or 128 ('Unsupported h_q', "
+                   "csrc/api/sparse_fwd.h:192-197)",
 }
 
 SPARSE_REASONS = {
-    "q_formats": "FlashMLA's sparse decode takes bf16 q",
-    "kv_formats": "FlashMLA's V3.2 sparse cache stores float8_e4m3fn NoPE values",
-    "format_pairs": "FlashMLA's sparse decode: bf16 q over a float8_e4m3fn V3.2 cache",
-    "scale_policies": "the V3.2 cache keeps RoPE in bf16: fp8 x s is exact in bf16 only for a "
+    "q_formats": "FlashMLA's sparse decode takes bf16 q (KU_CHECK_DTYPE(q, kBFloat16), "
+                 "csrc/api/sparse_decode.h:259)",
+    "kv_formats": "FlashMLA's V3.2 sparse cache stores float8_e4m3fn NoPE values ('key must have "
+                  "dtype fp8_e4m3fn, int8 or uint8', csrc/api/sparse_decode.h:260; the 656-byte "
+                  "token, flash_mla/flash_mla_interface.py:94-98)",
+    "format_pairs": "FlashMLA's sparse decode: bf16 q over a float8_e4m3fn V3.2 cache "
+                    "(csrc/api/sparse_decode.h:259-260)",
+    "scale_policies": "the V3.2 cache keeps RoPE in bf16 (64 bfloat16 values, 'not quantized', "
+                      "flash_mla/flash_mla_interface.py:98): fp8 x s is exact in bf16 only for a "
                       "power-of-two s; the unit scale is one",
     "head_counts": "FlashMLA's sm_90 sparse decode: h_q 64 or 128 ('Unsupported h_q', "
-                   "csrc/api/sparse_decode.h)",
-    "layouts": "the V3.2 cache is built page for page from a linear pool",
+                   "csrc/api/sparse_decode.h:328-334)",
+    "layouts": "the kernel reads only its own 656-byte V3.2 token, a page's tokens contiguous "
+               "(KU_CHECK_SHAPE(kv, ..., bytes_per_token) and 'The whole block must be "
+               "contiguous', csrc/api/sparse_decode.h:299-301); it is built page for page from "
+               "a linear pool",
 }
 
+# The dense decode (csrc/api/dense_decode.h): 16-bit q and a cache of q's dtype, read through a
+# block / row / head stride with a contiguous last dimension.
+DECODE_REASONS = {
+    "q_formats": "FlashMLA's sm_90 dense decode takes bf16 / fp16 q ('TORCH_CHECK(q_dtype == "
+                 "kBFloat16 || q_dtype == kHalf)', csrc/api/dense_decode.h:33)",
+    "kv_formats": "FlashMLA's sm_90 dense decode: the cache has q's 16-bit dtype ('query and key "
+                  "must have the same dtype', csrc/api/dense_decode.h:35)",
+    "format_pairs": "FlashMLA's sm_90 dense decode: the cache has q's 16-bit dtype ('query and "
+                    "key must have the same dtype', csrc/api/dense_decode.h:33-35)",
+    "layouts": "FlashMLA's dense decode reads k_cache [num_blocks, page_block_size, num_heads_k, "
+               "head_size] through its block / row / head strides with a contiguous last "
+               "dimension (csrc/api/dense_decode.h:49, :81, :146-153); CK's vectorized pages "
+               "interleave tokens inside each 16-byte channel group, which no such strides "
+               "describe",
+}
 
 # The MHA-form prefill ops: kernel limits, read in FlashMLA's sources (9241ae3).
+BINDINGS = ("its bindings are sparse_decode_fwd, dense_decode_fwd, sparse_prefill_fwd, "
+            "dense_prefill_fwd / _bwd: csrc/api/api.cpp:10-14")
 PREFILL_REFUSALS = {
-    Op.PREFILL: "FlashMLA's dense prefill (flash_attn_varlen_func, csrc/sm100/prefill/dense) "
-                   "is sm_100 only: no sm_90 kernel",
-    Op.PAGED_PREFILL: "FlashMLA has no paged MHA prefill (its prefills: the sm_100 dense varlen "
-                     "and the top-k sparse prefill flash_mla_sparse_fwd)",
+    Op.PREFILL: "FlashMLA's dense prefill (dense_prefill_fwd = FMHACutlassSM100FwdRun, "
+                "csrc/api/api.cpp:13; csrc/sm100/prefill/dense) is sm_100 only: no sm_90 kernel",
+    Op.PAGED_PREFILL: f"FlashMLA has no paged MHA prefill ({BINDINGS}; the dense prefill is "
+                      "sm_100's varlen, the sparse one flash_mla_sparse_fwd)",
 }
+# The DeepSeek-V3.2 indexer side of the sparse path: no FlashMLA kernel at all (DeepGEMM has the
+# logits; the top-k and the positions -> slots conversion are the serving engine's).
+NO_KERNEL_OPS = {
+    Op.MQA_LOGITS: "the indexer logits", Op.PAGED_MQA_LOGITS: "the paged indexer logits",
+    Op.TOPK: "a top-k selection", Op.INDEX_CONVERSION: "a positions -> slots conversion",
+    Op.SPARSE_PIPELINE: "the indexer stages of the sparse pipeline",
+}
+NO_KERNEL_REFUSALS = {op: f"FlashMLA has no kernel for {what} ({BINDINGS})"
+                      for op, what in NO_KERNEL_OPS.items()}
 
 
 def load() -> Loaded | str:
@@ -143,12 +182,14 @@ class FlashMLABackend(LibraryAdapter):
                     Op.SPARSE_PREFILL: Capability(refusal=got)}
         problem = got.first_problem(DECODE_FUNCTIONS)
         return {
-            **{op: Capability(refusal=why) for op, why in PREFILL_REFUSALS.items()},
+            **{op: Capability(refusal=why)
+               for op, why in {**PREFILL_REFUSALS, **NO_KERNEL_REFUSALS}.items()},
             Op.DECODE: Capability(
                 q_formats=FORMATS, kv_formats=FORMATS,
                 format_pairs=frozenset((f, f) for f in FORMATS), empty_requests=True,
                 layouts=(layouts.LINEAR.name,),  # FlashMLA's cache: linear pages only
                 causal=(True,), lse=True, devices=("cuda",), refusal=problem,
+                reasons=DECODE_REASONS,
                 notes="flash_mla_with_kvcache dense decode, persistent tile scheduler; LSE "
                       "natural log. Pages other than 64 run repacked into a page-64 pool; a "
                       "batch of mixed q_len runs as one call per q_len (empty requests left "
@@ -357,7 +398,8 @@ def _v32_dims(case: Case) -> str | None:
     d = case.dims
     if (d.kv_lora_rank, d.qk_rope) != (V32_NOPE, V32_ROPE):
         return (f"the V3.2 cache is 512 NoPE + 64 RoPE channels, not {d.kv_lora_rank} + "
-                f"{d.qk_rope}")
+                f"{d.qk_rope} (FlashMLA's sparse kernels take d_qk 576 = V3.2 or 512 = MODEL1, "
+                "d_v 512: csrc/api/sparse_decode.h:235-236, :290-297; sparse_fwd.h:131-132)")
     return None
 
 
@@ -365,7 +407,8 @@ def _sparse_prefill_topk(case: Case) -> str | None:
     topk = case.topk  # type: ignore[union-attr]
     if topk % SPARSE_PREFILL_TOPK_MULTIPLE:
         return (f"topk {topk}: FlashMLA's sm_90 sparse prefill takes topk in multiples of "
-                f"{SPARSE_PREFILL_TOPK_MULTIPLE}")
+                f"{SPARSE_PREFILL_TOPK_MULTIPLE} ('KU_ASSERT(params.topk % (2*B_TOPK) == 0)', "
+                "B_TOPK 64: csrc/sm90/prefill/sparse/phase1.cuh:577, config.h:27)")
     return None
 
 
