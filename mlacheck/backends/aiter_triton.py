@@ -55,7 +55,7 @@ import torch
 from mlacheck import layouts
 from mlacheck.backends import aiter_triton_compat as compat
 from mlacheck.backends import aiter_triton_indexer
-from mlacheck.backends.base import Capability, CaseRule, Output, Range
+from mlacheck.backends.base import Capability, CaseRule, Output, Range, adapter_choice
 from mlacheck.backends.toolkit import (  # topk_to_global_slots: re-exported (tests, users)
     lse_natural,
     lse_tokens_heads,
@@ -162,6 +162,58 @@ H100_SMS = 132
 # Every decode entry point takes the latent pool as stored linear pages (or token slots).
 DECODE_LAYOUTS = (layouts.LINEAR.name,)
 
+# Why the kernels refuse what they refuse, read in AITER e4048607a5 (paths under aiter/ops/triton;
+# `_triton_kernels/...` the kernels, `attention/...` their Python entry points) or measured.
+FNUZ_REASON = ("one FP8 e4m3 format per chip: the kernels test `dtype == e4m3_dtype` "
+               "(attention/mla.py:294, :303) and AITER picks it per arch (float8_e4m3fnuz on "
+               "gfx942, float8_e4m3fn on gfx950 / gfx12: utils/types.py:25-31); on NVIDIA it is "
+               "float8_e4m3fn (aiter_triton_compat.fp8_e4m3_dtype)")
+DECODE_LAYOUT_REASON = ("mla_decode_fwd reads a page's tokens through a token stride and a "
+                        "channel stride (_triton_kernels/attention/mla.py:524-536), or AITER's "
+                        "own shuffled cache of 16-token groups (:505-520); CK's vectorized pages "
+                        "are neither")
+DECODE_PAGE_REASON = ("the page is the kernel's KV tile (TILE_SIZE = block_size, "
+                      "attention/mla.py:80; tl.arange(0, TILE_SIZE), _triton_kernels/attention/"
+                      "mla.py:424): a power of two, >= 16 for tl.dot; at 256 more shared memory "
+                      "than an H100 has (measured: compile-only for sm_90, docs/aiter-triton.md "
+                      "section 5)")
+PAGE_VIEW_OMISSION = ("a view of the same bytes as {tile}-token pages (the block table expanded "
+                      "{ratio}x) would run it; not wired for mla_decode_fwd")
+FP8_Q_PAGE_REASON = ("the FP8 tl.dot over the page needs K >= {min_page} on this target "
+                     "(measured: compile-only for sm_90, docs/aiter-triton.md section 5)")
+PREFILL_REASONS = {
+    "q_formats": FNUZ_REASON, "kv_formats": FNUZ_REASON,
+    "format_pairs": "FP8 means q, k and v all FP8: is_fp8([q, k, v]) raises on a mix "
+                    "(_triton_kernels/flash_attn_triton_amd/utils.py:190-193, fwd_prefill.py:1717)",
+    "per_token_scales": "the descales are one per (batch, kv head): q/k/v_descale shape "
+                        "(batch, nheads_k), _triton_kernels/flash_attn_triton_amd/fwd_prefill.py:"
+                        "1750-1759",
+    "soft_cap": "'softcap not implemented in varlen v3 yet' (attention/mha_v3.py:226-227)",
+    "empty_requests": adapter_choice("empty segments are not left out of the launch (what "
+                                     "flash_attn_varlen_func does with one was not measured)"),
+}
+SPARSE_NO_FP8 = ("no scale arguments: no FP8 (unified_attention_sparse_mla(q, kv, out, ...), "
+                 "attention/unified_attention_sparse_mla.py:6-18; Q and KV bfloat16, :24-25)")
+SPARSE_REASONS = {
+    "q_formats": SPARSE_NO_FP8, "kv_formats": SPARSE_NO_FP8,
+    "head_counts": "BLOCK_M 16, grid T * H // 16: fewer heads compute nothing "
+                   "(attention/unified_attention_sparse_mla.py:50-52)",
+    "heads_multiple_of": "BLOCK_M 16 (attention/unified_attention_sparse_mla.py:50-52)",
+    "layouts": "KV is read as token rows [seq_len_kv, 1, 576] through its strides "
+               "(attention/unified_attention_sparse_mla.py:25, :77-80)",
+}
+EXTEND_NO_FP8 = ("extend_attention_fwd takes no scales: no FP8 (its parameters, "
+                 "attention/extend_attention.py:34-52)")
+PAGED_PREFILL_REASONS = {
+    "lse": "extend_attention_fwd returns no LSE ('Returns: None. Results written in-place to "
+           "o_extend', attention/extend_attention.py:76-77); AITER's other Triton paged prefills "
+           "take one head size for q, k and v (unified_attention, pa_prefill 'assert Lq == Lk "
+           "and Lk == Lv', interface_v3's paged decode path 'Dimensions must match')",
+    "q_formats": EXTEND_NO_FP8, "kv_formats": EXTEND_NO_FP8,
+    "layouts": "the pools are read as flat token slots (k_buffer / v_buffer (total_tokens, "
+               "num_kv_heads, head_dim), attention/extend_attention.py:62-63)",
+}
+
 
 # --------------------------------------------------------------------------- capability
 
@@ -172,9 +224,27 @@ def fp8_q_needs_page(min_page: int) -> CaseRule:
     def rule(case: Case) -> str | None:
         paging = case.paging
         if _is_fp8(case.quant.q) and paging is not None and paging.page_size < min_page:
-            return (f"page size {paging.page_size} with FP8 q: the FP8 tl.dot over the page "
-                    f"needs K >= {min_page} on this target")
+            return (f"page size {paging.page_size} with FP8 q: "
+                    + FP8_Q_PAGE_REASON.format(min_page=min_page))
         return None
+
+    return rule
+
+
+def decode_page_rule(pages: tuple[int, ...]) -> CaseRule:
+    """mla_decode_fwd's page is its tile: a page size outside `pages` is the kernel's limit,
+    except one that a whole number of tiles makes up (a view would run it: the adapter's)."""
+
+    def rule(case: Case) -> str | None:
+        paging = case.paging
+        if paging is None or paging.page_size in pages:
+            return None
+        ps = paging.page_size
+        refused = f"page size {ps} not in {{{', '.join(map(str, sorted(pages)))}}}"
+        tile = max((t for t in pages if ps % t == 0), default=None)
+        if tile is None:
+            return f"{refused} ({DECODE_PAGE_REASON})"
+        return f"{refused} ({adapter_choice(PAGE_VIEW_OMISSION.format(tile=tile, ratio=ps // tile))})"
 
     return rule
 
@@ -183,14 +253,17 @@ def sparse_pool_covers_a_tile(case: Case) -> str | None:
     """The sparse view needs at least one whole tile of the smallest size in the pool."""
     if case.total_kv < SPARSE_MIN_TILE:
         return (f"fewer than {SPARSE_MIN_TILE} cached tokens: no tile the sparse kernel can use "
-                "(tl.dot needs >= 16) fits the pool")
+                "(TILE_SIZE = block_size, attention/unified_attention_sparse_mla.py:57; tl.dot "
+                "needs >= 16) fits the pool")
     return None
 
 
 def sparse_rows_nonempty(case: Case) -> str | None:
     """AITER's sparse kernel gives NaN for a row whose top-k indices are all -1."""
     if case.valid_cap == 0:
-        return "rows with no valid top-k index (AITER: output NaN when all topk indices are -1)"
+        return ("rows with no valid top-k index (AITER: output NaN when all topk indices are -1; "
+                "its TODO 'Tests fail when all topk indices are all -1', "
+                "_triton_kernels/attention/unified_attention_sparse_mla.py:77-79)")
     return None
 
 
@@ -491,11 +564,14 @@ class AiterTritonBackend:
             pairs = same | ({("bf16", fp8[0])} if fp8 else set())
             caps[Op.DECODE] = Capability(
                 q_formats=base + fp8, kv_formats=base + fp8, format_pairs=frozenset(pairs),
-                scale_policies=("unit", "amax"), page_sizes=pages,
-                rules=(fp8_q_needs_page(fp8_min_page),) if fp8_min_page else (),
+                scale_policies=("unit", "amax"),
+                rules=(decode_page_rule(pages),
+                       *((fp8_q_needs_page(fp8_min_page),) if fp8_min_page else ())),
                 head_counts=Range(1, 128), q_len=Range(1, None), empty_requests=True,
                 causal=(True,), layouts=DECODE_LAYOUTS, devices=devices,
                 refusal=problems.get(Op.DECODE),
+                reasons={"q_formats": FNUZ_REASON, "kv_formats": FNUZ_REASON,
+                         "layouts": DECODE_LAYOUT_REASON},
                 notes="mla_decode_fwd (vLLM block table); page size = tile (tl.dot needs >= 16); "
                       "one q_len per launch: a mixed batch runs as one launch per run of "
                       "consecutive requests with one q_len, empty requests left out; causal "
@@ -512,7 +588,7 @@ class AiterTritonBackend:
                 q_formats=base + fp8, kv_formats=base + fp8, format_pairs=frozenset(same),
                 scale_policies=("unit", "amax"), causal=(True, False), lse=True, soft_cap=False,
                 devices=("cuda",) if torch.cuda.is_available() or compat.compile_only() else (),
-                refusal=problems.get(Op.PREFILL),
+                refusal=problems.get(Op.PREFILL), reasons=PREFILL_REASONS,
                 notes="mha_v3.flash_attn_varlen_func, ragged cu_seqlens, causal bottom-right "
                       "(seqlen_k - seqlen_q offset); FP8 = FP8 q/k/v with per-tensor descales "
                       "expanded to [B, H]; LSE from a second launch of interface_v3.fwd; "
@@ -524,10 +600,7 @@ class AiterTritonBackend:
                 q_len=Range(1, None), causal=(True,), empty_requests=True,
                 rules=(sparse_rows_nonempty, sparse_pool_covers_a_tile),
                 layouts=DECODE_LAYOUTS, devices=devices, refusal=problems.get(Op.SPARSE_DECODE),
-                reasons={"q_formats": "no scale arguments: no FP8",
-                         "kv_formats": "no scale arguments: no FP8",
-                         "head_counts": "BLOCK_M 16, grid T * H // 16: fewer heads compute "
-                                        "nothing", "heads_multiple_of": "BLOCK_M 16"},
+                reasons=SPARSE_REASONS,
                 notes="unified_attention_sparse_mla; topk = global slots (page*ps+offset) "
                       "converted from logical positions; heads multiple of 16 (BLOCK_M 16); "
                       "the page size is the kernel's tile: pages it cannot tile "
@@ -538,13 +611,7 @@ class AiterTritonBackend:
                 q_formats=base, kv_formats=base, format_pairs=frozenset({(f, f) for f in base}),
                 lse=False, soft_cap=True, causal=(True, False), empty_requests=True,
                 layouts=DECODE_LAYOUTS, devices=devices, refusal=problems.get(Op.PAGED_PREFILL),
-                reasons={"lse": "extend_attention_fwd returns no LSE; AITER's other Triton "
-                                "paged prefills take one head size for q, k and v "
-                                "(unified_attention, pa_prefill 'assert Lq == Lk and Lk == Lv', "
-                                "interface_v3's paged decode path 'Dimensions must match')",
-                         "q_formats": "extend_attention_fwd takes no scales: no FP8",
-                         "kv_formats": "extend_attention_fwd takes no scales: no FP8",
-                         "layouts": "the pools are read as flat token slots"},
+                reasons=PAGED_PREFILL_REASONS,
                 notes="extend_attention_fwd (SGLang's MLA extend, q/k 192 = 128 + 64 rope, v 128): "
                       "each segment's context through its slots in the K/V pools (viewed as "
                       "flat tokens, no copy), its new tokens from the ragged K/V; causal or "

@@ -155,9 +155,20 @@ def _pow2(n: int) -> bool:
 
 def _pow2_rule(case: Case) -> str | None:
     if not _pow2(case.num_heads) or not _pow2(case.head_dim):  # type: ignore[union-attr]
-        return ("AITER's indexer kernels take power-of-two head counts and head dims, not "
+        return ("AITER's indexer kernels take power-of-two head counts and head dims "
+                "(tl.arange(0, NUM_HEADS) / (0, HEAD_SIZE), _triton_kernels/attention/"
+                "fp8_mqa_logits.py:46-47, AITER e4048607a5), not "
                 f"{case.num_heads} x {case.head_dim}")  # type: ignore[union-attr]
     return None
+
+
+# One FP8 e4m3 format per chip, read in AITER e4048607a5: the paged kernel's cache is viewed as
+# `dtypes.fp8` (attention/pa_mqa_logits.py:219), "gfx942 uses the AMD fnuz e4m3 variant; gfx950
+# and gfx1250 use the OCP/IEEE e4m3 variant, matching utils.types.get_fp8_dtypes" (:290-291).
+FP8_FORMAT_REASON = ("one FP8 e4m3 format per chip: the cache is viewed as AITER's dtypes.fp8 "
+                     "(attention/pa_mqa_logits.py:219, :290-291; utils/types.py:25-31: fnuz on "
+                     "gfx942 only), float8_e4m3fn on NVIDIA")
+FP8_REASONS = {"q_formats": FP8_FORMAT_REASON, "kv_formats": FP8_FORMAT_REASON}
 
 
 def capabilities(problems: dict[str, str], devices: tuple[str, ...],
@@ -166,11 +177,13 @@ def capabilities(problems: dict[str, str], devices: tuple[str, ...],
     return {
         Op.MQA_LOGITS: Capability(
             q_formats=fmt, kv_formats=fmt, per_token_scales=True, empty_requests=True,
+            reasons=FP8_REASONS,
             rules=(_pow2_rule,), devices=devices, refusal=problems.get(Op.MQA_LOGITS),
             notes="fp8_mqa_logits (clean_logits=True); off ROCm its launch keys filtered"),
         Op.PAGED_MQA_LOGITS: Capability(
             q_formats=fmt, kv_formats=fmt, per_token_scales=True,
             page_sizes=tuple(2**i for i in range(9)), rules=(_pow2_rule,), devices=devices,
+            reasons=FP8_REASONS,
             refusal=problems.get(Op.PAGED_MQA_LOGITS),
             notes="deepgemm_fp8_paged_mqa_logits (Preshuffle=False, KVBlockSize = page size, "
                   "ChunkK 256; out_logits initialised to -inf); off ROCm: import shims and "
