@@ -48,11 +48,15 @@ SM90_HEADS = (32, 64)  # DG_HOST_ASSERT(arch_major == 9 and (num_heads == 32 or 
 SM90_HEAD_DIMS = (32, 64, 128)
 SM90_BLOCK_KV = 64  # the paged cache's page size on sm_90
 H100_SMS = 132
+# Read in DeepGEMM 54e2261's csrc/apis/attention.hpp (DG_HOST_ASSERTs).
+_FP8 = ("DeepGEMM's indexer takes float8_e4m3fn q and keys (q_fp / kv_fp scalar_type == "
+        "kFloat8_e4m3fn, csrc/apis/attention.hpp:126, :133, :303)")
 REASONS = {
-    "q_formats": "DeepGEMM's indexer takes float8_e4m3fn q and keys",
-    "kv_formats": "DeepGEMM's indexer takes float8_e4m3fn q and keys",
-    "head_counts": "DeepGEMM sm_90: num_heads 32 or 64",
-    "page_sizes": "DeepGEMM sm_90: block_kv 64",
+    "q_formats": _FP8,
+    "kv_formats": _FP8,
+    "head_counts": "DeepGEMM sm_90: num_heads 32 or 64 (csrc/apis/attention.hpp:122-123, "
+                   ":299-300)",
+    "page_sizes": "DeepGEMM sm_90: block_kv 64 (csrc/apis/attention.hpp:224, :308)",
 }
 
 
@@ -64,7 +68,8 @@ def load() -> Loaded | str:
 def _head_dim(case: Case) -> str | None:
     d = case.head_dim  # type: ignore[union-attr]
     if d not in SM90_HEAD_DIMS:
-        return f"head_dim {d}: DeepGEMM sm_90 takes 32, 64 or 128"
+        return (f"head_dim {d}: DeepGEMM sm_90 takes 32, 64 or 128 (csrc/apis/attention.hpp:"
+                f"124)")
     return None
 
 

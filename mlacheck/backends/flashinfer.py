@@ -131,6 +131,10 @@ DECODE_LAYOUT_REASON = ("FlashInfer's MLA reads ckv / kpe pages through a page s
                         "stride only (*_stride_page / *_stride_n = stride(0) / stride(1): "
                         "csrc/batch_mla_run.cu:55-58 and batch_mla_sm90_run.cu:52-55 in "
                         "0.7.2.post1, :54-57 and :55-58 in 0.2.14.post1)")
+# Paged prefill: pages [pages, page_size, heads, dim] (NHD) or [pages, heads, page_size, dim] (HND).
+PAGED_LAYOUT_REASON = ("FlashInfer's paged KV cache is NHD / HND pages (TensorLayout, "
+                       "flashinfer/utils.py:54-56, checked by _check_kv_layout :195-197, "
+                       "0.7.2.post1)")
 PREFILL_FP8_REASON = {  # 0.2.x, measured on the H100
     "q_formats": "'fp8 tensor core is not supported in fa2 backend' (0.2.14.post1, measured)",
     "kv_formats": "'fp8 tensor core is not supported in fa2 backend' (0.2.14.post1, measured)",
@@ -283,6 +287,11 @@ INDEX_CONVERSION_REASON = (
 # older lines' top-k functions (0.2.14.post1's sampling.py:727, :1185, :1249) return samples,
 # renormalised probabilities or masked logits, never the indices.
 TOP_K_FUNCTION = "top_k"
+# Where the library has it: wired once (831f9a8) and reverted (a7167f4), its JIT module (not in
+# the prebuilt archive) had not finished building after minutes on the H100.
+TOP_K_NOT_WIRED = adapter_choice(
+    "flashinfer.top_k / top_k_ragged_transform (topk.py:876, :1330 in 0.7.2.post1) not wired: "
+    "their JIT module never finished building inside an H100 run (a7167f4)")
 NO_TOP_K_REASON = ("{version} has no top-k index kernel: its top_k_sampling_from_probs / "
                    "top_k_renorm_probs / top_k_mask_logits (flashinfer/sampling.py:727, :1185, "
                    ":1249 in 0.2.14.post1) return samples, probabilities or masked logits, not "
@@ -444,8 +453,8 @@ class FlashInferBackend(LibraryAdapter):
         caps = {op: Capability(refusal=sparse_path_refusal(got, kernel, arch))
                 for op, kernel in SPARSE_PATH_KERNELS.items()}
         caps[Op.INDEX_CONVERSION] = Capability(refusal=INDEX_CONVERSION_REASON)
-        if not has_function(got, TOP_K_FUNCTION):
-            caps[Op.TOPK] = Capability(refusal=NO_TOP_K_REASON.format(version=got.version))
+        caps[Op.TOPK] = Capability(refusal=NO_TOP_K_REASON.format(version=got.version)
+                                   if not has_function(got, TOP_K_FUNCTION) else TOP_K_NOT_WIRED)
         return caps
 
     def _prefill_formats(self, got: Loaded, op: str) -> tuple[dict[str, Any], str]:
@@ -457,7 +466,7 @@ class FlashInferBackend(LibraryAdapter):
         if takes_fp8_kv_prefill(got, op):
             reasons = dict(FP8_PREFILL_REASONS_07[self.kernel])
         if op == Op.PAGED_PREFILL:
-            reasons["layouts"] = "FlashInfer's paged KV cache is NHD / HND pages"
+            reasons["layouts"] = PAGED_LAYOUT_REASON
         fields: dict[str, Any] = dict(q_formats=PREFILL_FORMATS, kv_formats=PREFILL_FORMATS,
                             format_pairs=frozenset(same), reasons=reasons)
         if self.kernel != "fa2" or not takes_fp8_kv_prefill(got, op):
@@ -472,11 +481,11 @@ class FlashInferBackend(LibraryAdapter):
             return (f"{got.version}: the sm_90 (fa3) paged prefill returns cudaErrorNotSupported "
                     "('operation not supported') unless head_dim_qk == head_dim_vo "
                     "(BatchPrefillWithPagedKVCacheDispatched, include/flashinfer/attention/"
-                    "hopper/prefill_sm90.cuh, read in 0.2.14.post1 and 0.7.2.post1); MLA's are "
-                    "192 and 128")
+                    "hopper/prefill_sm90.cuh:574 / :610 in 0.2.14.post1, :578 / :614 in "
+                    "0.7.2.post1); MLA's are 192 and 128")
         if self.kernel == "fa2" and release(got.version) <= FA2_EQUAL_KV_STRIDES_UNTIL:
             return (f"{got.version}: the fa2 paged prefill requires identical K and V cache "
-                    "strides ('k/v strides must be identical', csrc/batch_prefill.cu); K (192) "
+                    "strides ('k/v strides must be identical', csrc/batch_prefill.cu:243); K (192) "
                     "and V (128) pages never have them")
         return None
 
