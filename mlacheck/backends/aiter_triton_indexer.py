@@ -165,7 +165,8 @@ def _pow2_rule(case: Case) -> str | None:
 # One FP8 e4m3 format per chip, read in AITER e4048607a5: the paged kernel's cache is viewed as
 # `dtypes.fp8` (attention/pa_mqa_logits.py:219), "gfx942 uses the AMD fnuz e4m3 variant; gfx950
 # and gfx1250 use the OCP/IEEE e4m3 variant, matching utils.types.get_fp8_dtypes" (:290-291).
-FP8_FORMAT_REASON = ("one FP8 e4m3 format per chip: the cache is viewed as AITER's dtypes.fp8 "
+FP8_FORMAT_REASON = ("one FP8 e4m3 format per chip: Q / KV 'dtype float8' (attention/"
+                     "fp8_mqa_logits.py:93-94), the paged cache viewed as AITER's dtypes.fp8 "
                      "(attention/pa_mqa_logits.py:219, :290-291; utils/types.py:25-31: fnuz on "
                      "gfx942 only), float8_e4m3fn on NVIDIA")
 FP8_REASONS = {"q_formats": FP8_FORMAT_REASON, "kv_formats": FP8_FORMAT_REASON}
