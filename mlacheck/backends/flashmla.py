@@ -209,10 +209,11 @@ class FlashMLABackend(LibraryAdapter):
                 q_formats=("bf16",), kv_formats=("bf16",), head_counts=SPARSE_PREFILL_HEADS,
                 empty_requests=True, devices=("cuda",), reasons=SPARSE_PREFILL_REASONS,
                 refusal=got.first_problem(("flash_mla_sparse_fwd",)),
-                rules=(_v32_dims, _sparse_prefill_topk),
+                rules=(_v32_dims,),
                 notes="flash_mla_sparse_fwd over the flat latent KV; (out, max_logits, lse): "
                       "LSE natural log, +inf (and max_logits -inf) of rows without a valid "
-                      "index read as -inf"),
+                      "index read as -inf; a topk that is no multiple of 128 goes in padded "
+                      "with -1 (invalid) indices"),
         }
 
     def run(self, case: Case, inputs: Inputs) -> Output:
@@ -288,10 +289,10 @@ class FlashMLABackend(LibraryAdapter):
         """flash_mla_sparse_fwd(q [T, H, 576], kv [N, 1, 576], indices [T, 1, topk] global rows,
         -1 padded) -> (out [T, H, 512], max_logits [T, H], lse [T, H]): its own buffers,
         copied into the guarded output."""
+        indices = padded_topk(inputs.indices, SPARSE_PREFILL_TOPK_MULTIPLE)
         out, max_logits, lse = got.module.flash_mla_sparse_fwd(
             q=inputs.q.stored.contiguous(), kv=inputs.kv.stored.contiguous(),
-            indices=inputs.indices.contiguous(), sm_scale=case.softmax_scale,
-            d_v=case.dims.kv_lora_rank)
+            indices=indices, sm_scale=case.softmax_scale, d_v=case.dims.kv_lora_rank)
         target = inputs.out.out
         if tuple(out.shape) != tuple(target.shape):
             raise ValueError(f"flash_mla_sparse_fwd returned out {tuple(out.shape)}, expected "
@@ -300,7 +301,9 @@ class FlashMLABackend(LibraryAdapter):
         empty = inputs.empty_rows
         lse = lse_empty_rows(lse_tokens_heads(lse_natural(lse), case.total_q, case.num_heads),
                              empty)
-        meta: dict[str, Any] = {"flashmla": {"version": got.version, "op": "flash_mla_sparse_fwd"}}
+        meta: dict[str, Any] = {"flashmla": {
+            "version": got.version, "op": "flash_mla_sparse_fwd",
+            "indices_padded_to": indices.shape[-1] if indices.shape[-1] != case.topk else None}}
         return Output(target, lse, metadata=meta, wrote_into_guarded=True,
                       extra={"max_logits": lse_tokens_heads(max_logits.float(), case.total_q,
                                                             case.num_heads)})
@@ -403,13 +406,17 @@ def _v32_dims(case: Case) -> str | None:
     return None
 
 
-def _sparse_prefill_topk(case: Case) -> str | None:
-    topk = case.topk  # type: ignore[union-attr]
-    if topk % SPARSE_PREFILL_TOPK_MULTIPLE:
-        return (f"topk {topk}: FlashMLA's sm_90 sparse prefill takes topk in multiples of "
-                f"{SPARSE_PREFILL_TOPK_MULTIPLE} ('KU_ASSERT(params.topk % (2*B_TOPK) == 0)', "
-                "B_TOPK 64: csrc/sm90/prefill/sparse/phase1.cuh:577, config.h:27)")
-    return None
+def padded_topk(indices: torch.Tensor, multiple: int) -> torch.Tensor:
+    """[T, 1, topk] indices widened to a multiple of `multiple` with -1 (no key), contiguous.
+
+    FlashMLA's sm_90 sparse prefill takes the indices' width in multiples of 128
+    ('KU_ASSERT(params.topk % (2*B_TOPK) == 0)', B_TOPK 64: csrc/sm90/prefill/sparse/
+    phase1.cuh:577, config.h:27) and skips -1 ("Invalid indices should be set to -1",
+    flash_mla/flash_mla_interface.py:191): the padded call attends to the same keys."""
+    pad = -indices.shape[-1] % multiple
+    if not pad:
+        return indices.contiguous()
+    return torch.nn.functional.pad(indices, (0, pad), value=-1).contiguous()
 
 
 def _needs_repage(pool: KVPool) -> bool:

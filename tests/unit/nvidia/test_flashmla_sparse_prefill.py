@@ -42,10 +42,19 @@ def test_premerge_sparse_prefill_passes_or_skips_with_the_kernels_reason(
     assert list(statuses.values()).count(PASS) >= 5, statuses
 
 
-def test_topk_not_a_multiple_of_128_is_refused() -> None:
-    case = SparsePrefillCase(segments=(Segment(4, 20),), topk=64, num_heads=64)
-    assert "multiples of 128" in (flashmla._sparse_prefill_topk(case) or "")
-    assert flashmla._sparse_prefill_topk(SMALL) is None
+@pytest.mark.parametrize("topk", [64, 200])
+def test_topk_not_a_multiple_of_128_runs_padded_with_minus_one(
+        monkeypatch: pytest.MonkeyPatch, topk: int) -> None:
+    """The kernel asserts topk % 128 == 0 (the fake too); the adapter pads with -1 (no key), the
+    verdict says so, and a planted "-1 reads row 0" fault still FAILs through the padding."""
+    case = SparsePrefillCase(segments=(Segment(4, 300), Segment(3, 0)), topk=topk, num_heads=64)
+    v = run_case(case, backend(monkeypatch))
+    assert v.status == PASS, v.summary()
+    assert v.implementation["flashmla"]["indices_padded_to"] == -(-topk // 128) * 128
+    assert run_case(SMALL, backend(monkeypatch)).implementation["flashmla"][
+        "indices_padded_to"] is None
+    v = run_case(case, backend(monkeypatch, "minus-one-reads-token-0"))
+    assert v.status == FAIL, v.summary()
 
 
 @pytest.mark.parametrize("bug,check", [("minus-one-reads-token-0", "row_error"),
