@@ -202,6 +202,18 @@ SPARSE_REASONS = {
     "layouts": "KV is read as token rows [seq_len_kv, 1, 576] through its strides "
                "(attention/unified_attention_sparse_mla.py:25, :77-80)",
 }
+# The sparse-path ops AITER has Triton kernels for that this adapter does not call (issue 32's
+# adapter omissions; paths as in AITER e4048607a5, their sm_90 fitness not read).
+NOT_WIRED = {
+    Op.SPARSE_PREFILL: adapter_choice(
+        "not wired: unified_attention_sparse_mla takes per-token top-k over q_len > 1 "
+        "(attention/unified_attention_sparse_mla.py:6-36) but returns no LSE / max_logits"),
+    Op.TOPK: adapter_choice("not wired: AITER's Triton top-k (topk.py:170)"),
+    Op.INDEX_CONVERSION: adapter_choice("not wired (no standalone AITER kernel was looked for)"),
+    Op.SPARSE_PIPELINE: adapter_choice(
+        "not wired: its stages exist (attention/pa_mqa_logits.py, topk.py, "
+        "attention/unified_attention_sparse_mla.py)"),
+}
 EXTEND_NO_FP8 = ("extend_attention_fwd takes no scales: no FP8 (its parameters, "
                  "attention/extend_attention.py:34-52)")
 PAGED_PREFILL_REASONS = {
@@ -619,6 +631,7 @@ class AiterTritonBackend:
         if Op.MQA_LOGITS in ops:  # the V3.2 indexer: GPU only (fp8 is not interpreted here)
             gpu = ("cuda",) if torch.cuda.is_available() or compat.compile_only() else ()
             caps.update(aiter_triton_indexer.capabilities(problems, gpu, self._fp8_format(got)))
+            caps.update({op: Capability(refusal=why) for op, why in NOT_WIRED.items()})
         return caps
 
     def run(self, case: Case, inputs: Inputs) -> Output:

@@ -283,6 +283,11 @@ INDEX_CONVERSION_REASON = (
     "FlashInfer has no positions -> slots kernel: the page-table translation exists only fused "
     "into the top-k over scores (top_k_page_table_transform, topk.py:1077 in 0.7.2.post1; "
     "0.2.14.post1 has neither)")
+# No sparse prefill entry point; the MLA wrapper at page size 1 with the top-k slots as the page
+# list (how mla_sparse_decode runs) would give out and LSE, not max_logits. Not wired.
+SPARSE_PREFILL_NOT_WIRED = adapter_choice(
+    "not wired: FlashInfer has no sparse MLA prefill; the page-size-1 composition that runs "
+    "mla_sparse_decode would give out and LSE (no max_logits)")
 # The top-k of a score row as indices: 0.7.x's flashinfer.top_k (topk.py:876 in 0.7.2.post1);
 # older lines' top-k functions (0.2.14.post1's sampling.py:727, :1185, :1249) return samples,
 # renormalised probabilities or masked logits, never the indices.
@@ -453,6 +458,7 @@ class FlashInferBackend(LibraryAdapter):
         caps = {op: Capability(refusal=sparse_path_refusal(got, kernel, arch))
                 for op, kernel in SPARSE_PATH_KERNELS.items()}
         caps[Op.INDEX_CONVERSION] = Capability(refusal=INDEX_CONVERSION_REASON)
+        caps[Op.SPARSE_PREFILL] = Capability(refusal=SPARSE_PREFILL_NOT_WIRED)
         caps[Op.TOPK] = Capability(refusal=NO_TOP_K_REASON.format(version=got.version)
                                    if not has_function(got, TOP_K_FUNCTION) else TOP_K_NOT_WIRED)
         return caps
