@@ -55,6 +55,7 @@ import torch
 from mlacheck import layouts
 from mlacheck.backends import aiter_triton_compat as compat
 from mlacheck.backends import aiter_triton_indexer
+from mlacheck.backends.aiter_logging import configure_aiter_logger
 from mlacheck.backends.base import Capability, CaseRule, Output, Range, adapter_choice
 from mlacheck.backends.toolkit import (  # topk_to_global_slots: re-exported (tests, users)
     lse_natural,
@@ -480,6 +481,7 @@ def load() -> Loaded | str:
     if why:
         return why
     loaded = Loaded(aiter_version())
+    configure_aiter_logger()  # before `import aiter`: keeps torch._dynamo unimported
     stub = compat.ensure_interpreter_target()
     if stub:
         loaded.notes.append(stub)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from mlacheck import fp8
+from mlacheck.backends.aiter_logging import configure_aiter_logger
 from mlacheck.backends.toolkit import library_version, signature_problems
 from mlacheck.ops import Op
 
@@ -213,6 +214,7 @@ def load_api(module_name: str) -> AiterApi | str:
     if module_name == REAL_MODULE and dists and "amd-aiter" not in dists:
         return (f"the installed 'aiter' ({', '.join(dists)}) is not AMD AITER: PyPI 'aiter' is an "
                 f"unrelated asyncio library ({INSTALL_HINT})")
+    configure_aiter_logger()  # before `import aiter`: keeps torch._dynamo unimported
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
