@@ -140,3 +140,12 @@ def test_false_alarm_table_from_earlier_records(tmp_path: Path, capsys) -> None:
     text = capsys.readouterr().out
     assert "FAIL flashinfer c3 (seed 4): row_error" in text
     assert "| max_abs_error | 1 |" in text
+
+
+def test_indexer_cases_get_mlacheck_verdict_and_no_anchor_rule(tmp_path: Path) -> None:
+    """The indexer's logits (no LSE) have no anchor rule; the H100 run of 2026-11-27 recorded
+    'LogitsResult' object has no attribute 'lse' as an ERROR for each of them."""
+    out = tmp_path / "a.jsonl"
+    assert A.main(["-k", "idx-s1-q64-h32-d128-e4m3fn-", "-b", "torch", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all(r["status"] == "PASS" and "rules" not in r for r in rows), rows
