@@ -40,13 +40,16 @@ from mlacheck.backends.aiter.api import (
     pinned_environment,
 )
 from mlacheck.backends.aiter.capability import (
+    DECODE_REASONS,
     DEFAULT_MAX_SPLIT_PER_BATCH,
     DEFAULT_NONPERSISTENT_KV_SPLITS,
     MAX_DECODE_HEADS,
     NO_KERNEL_MESSAGE,
     PAGE_SIZES_POW2,
+    PAGED_PREFILL_REASONS,
     PREFILL_PS_HEADS,
     PREFILL_PS_KVLEN_GRANULARITY,
+    PREFILL_PS_REASONS,
     PREFILL_PS_TILE_Q,
     HeadPadding,
     aiter_folds_heads,
@@ -171,7 +174,7 @@ class AiterAdapter:
             head_counts=Range(1, MAX_DECODE_HEADS),
             q_len=Range(1, 4), causal=(True,), devices=self.devices,
             # kv_buffer is the pool's memory as is: [pages, page_size, 1, 576]
-            layouts=(layouts.LINEAR.name,),
+            layouts=(layouts.LINEAR.name,), reasons=DECODE_REASONS,
         )
         decode_rules: tuple[CaseRule, ...] = (
             (folded_heads_need_uniform_q_len(api.gfx),) if self.persistent
@@ -194,16 +197,19 @@ class AiterAdapter:
                 scale_policies=("unit", "amax"),
                 layouts=(layouts.LINEAR.name, layouts.VECTORIZED.name),  # CK's two
                 soft_cap=True, devices=self.devices, refusal=api.op_problem(Op.PAGED_PREFILL),
+                reasons=PAGED_PREFILL_REASONS,
                 notes="CK mha_batch_prefill_func, sglang-style page table"),
         }
         caps.update(aiter_pipeline.capabilities(self, api, decode_common, decode_rules))
         prefill_refusal = api.op_problem(Op.PREFILL)
         if api.gfx == "gfx942":
             prefill_refusal = ("AITER refuses FP8 persistent MLA prefill on gfx942 "
-                               "(asm_mla.cu: 'not supported on gfx942'); gfx950 only")
+                               "('fp8 mla persistent prefill is not supported on gfx942', "
+                               "csrc/py_itfs_cu/asm_mla.cu:1159-1160); gfx950 only")
         caps[Op.PREFILL] = Capability(
             q_formats=(chip_fp8,), kv_formats=(chip_fp8,), scale_policies=("unit", "amax"),
             head_counts=PREFILL_PS_HEADS, devices=self.devices, refusal=prefill_refusal,
+            reasons=PREFILL_PS_REASONS,
             notes="FP8 ASM persistent-scheduling prefill (mla_prefill_ps_fwd), gfx950; "
                   "LSE checked only with ROCm/aiter#3606")
         return caps

@@ -15,7 +15,7 @@ from mlacheck.backends.aiter import rules
 from mlacheck.backends.aiter.api import (
     AdapterError,
 )
-from mlacheck.backends.base import CaseRule
+from mlacheck.backends.base import CaseRule, adapter_choice
 from mlacheck.spec import Case
 
 MIN_AITER_HEADS = 16  # AITER's MLA kernels and metadata work in groups of 16 query heads
@@ -47,6 +47,47 @@ PREFILL_PS_TILE_Q = 256  # qlen granularity of the FP8 ASM prefill kernel (vLLM'
 PREFILL_PS_KVLEN_GRANULARITY = 128
 # The message AITER raises when no kernel variant matches (asm_mla.cu get_heuristic_kernel_mla).
 NO_KERNEL_MESSAGE = "cannot get heuristic kernel"
+
+# Why the kernels refuse what the capabilities leave out, read in AITER at TARGET_COMMIT
+# (e4048607a5; paths from the repository root). Appended to the SKIP reasons.
+ASM_FORMATS = ("the ASM MLA kernels exist for (qType, kvType) bf16/bf16, fp8/fp8 and bf16/fp8 "
+               "(the a16w8 rows are persistent, ps=1): hsa/gfx950/mla/mla_asm.csv, "
+               "hsa/gfx942/mla/mla_asm.csv; fp8 is the chip's e4m3 (fnuz on gfx942, fn on "
+               "gfx950: aiter/utility/dtypes.py:12-13)")
+DECODE_REASONS = {
+    "q_formats": ASM_FORMATS, "kv_formats": ASM_FORMATS, "format_pairs": ASM_FORMATS,
+    "page_sizes": "the kernel takes log2 of the page size (log2_page, "
+                  "csrc/py_itfs_cu/asm_mla.cu:419, :715)",
+    "layouts": "kv_buffer is [num_page, page_size, num_kv_heads, head_size] "
+               "(csrc/py_itfs_cu/asm_mla.cu:646)",
+    "empty_requests": adapter_choice("empty requests are not left out of the call (what the "
+                                     "metadata planner and kernels do with qo_len 0 not read)"),
+}
+PREFILL_PS_REASONS = {
+    "q_formats": "mla_prefill_ps_fwd takes fp8 Q and K only ('unsupport Q dtype' / 'unsupport "
+                 "K dtype', csrc/py_itfs_cu/asm_mla.cu:1148-1156; the chip's e4m3, "
+                 "aiter/utility/dtypes.py:12-13)",
+    "kv_formats": "mla_prefill_ps_fwd takes fp8 Q and K only (csrc/py_itfs_cu/asm_mla.cu:"
+                  "1153-1156)",
+    "head_counts": "the reduce that always runs has Dv-128 instantiations for these head counts "
+                   "only (MLA_REDUCE_ROUTER, csrc/kernels/mla/reduce.cu:924-940)",
+    "per_token_scales": "q_scale / k_scale / v_scale are fp32 scalars "
+                        "(csrc/py_itfs_cu/asm_mla.cu:1104-1106)",
+    "soft_cap": "mla_prefill_ps_fwd has no logit cap parameter (aiter/mla.py:1191-1212)",
+    "empty_requests": adapter_choice("empty segments are not left out of the call (qo_len 0 "
+                                     "not read in the ps metadata)"),
+}
+PAGED_PREFILL_REASONS = {
+    "q_formats": "mha_batch_prefill takes fp16, bf16 or fp8_e4m3 q, k and v of one dtype "
+                 "(csrc/py_itfs_ck/mha_batch_prefill_kernels.cu:440-448); fp8 is the chip's "
+                 "e4m3 (aiter/utility/dtypes.py:12-13)",
+    "kv_formats": "k and v have q's dtype ('query and key must have the same dtype', "
+                  "csrc/py_itfs_ck/mha_batch_prefill_kernels.cu:447-448)",
+    "format_pairs": "k and v have q's dtype (csrc/py_itfs_ck/mha_batch_prefill_kernels.cu:"
+                    "447-448)",
+    "empty_requests": adapter_choice("empty segments are not left out of the call (what "
+                                     "mha_batch_prefill does with one not read)"),
+}
 
 
 
@@ -123,7 +164,8 @@ def nonpersistent_fp8_heads(case: Case) -> str | None:
         return None
     if case.num_heads not in NONPERSISTENT_FP8_HEADS:
         return (f"non-persistent fp8 decode has kernels for 16 or 128 heads only, not "
-                f"{case.num_heads} (use persistent decode)")
+                f"{case.num_heads} (use persistent decode; the fp8 ps=0 rows of "
+                f"hsa/gfx950/mla/mla_asm.csv)")
     return None
 
 
@@ -149,7 +191,8 @@ def folded_heads_need_uniform_q_len(gfx: str) -> CaseRule:
         if aiter_folds_heads(gfx, padded, max(lens), fp8.fmt(case.quant.q).is_fp8,
                              fp8.fmt(case.quant.kv).is_fp8):
             return (f"AITER folds {padded} heads into 16-head pseudo-batches only for a uniform "
-                    f"q_len; this batch mixes q_len {sorted(lens)}")
+                    f"q_len (q reshaped by total_s // max_seqlen_q, aiter/mla.py:819-836); this "
+                    f"batch mixes q_len {sorted(lens)}")
         return None
 
     return rule

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mlacheck.backends.aiter.api import FP8_MQA_LOGITS, PAGED_MQA_LOGITS, AdapterError, AiterApi
-from mlacheck.backends.aiter.capability import MAX_DECODE_HEADS
-from mlacheck.backends.base import Capability, Output, Range
+from mlacheck.backends.aiter.capability import ASM_FORMATS, MAX_DECODE_HEADS
+from mlacheck.backends.base import Capability, Output, Range, adapter_choice
 from mlacheck.inputs import DecodeInputs
 from mlacheck.kvcache import KVPool, PageTable
 from mlacheck.ops import Op
@@ -57,28 +57,37 @@ def _chunk_rule(case: Case) -> str | None:
     return None
 
 
+# The FP8 bytes the indexer kernels read are the chip's e4m3 (AITER e4048607a5).
+CHIP_FP8_REASON = ("the kernel reads FP8 bytes in the chip's format: AITER's dtypes.fp8, fnuz on "
+                   "gfx942 and fn on gfx950 (aiter/utility/dtypes.py:12-13), the paged kernel's "
+                   "cache viewed as it (aiter/ops/triton/attention/pa_mqa_logits.py:219, "
+                   ":290-291)")
+# Sparse prefill runs as bf16 sparse-decode pseudo-batches over the bf16 latent KV.
+SPARSE_PREFILL_FORMATS = "it runs as the bf16 sparse decode over bf16 latent KV; " + ASM_FORMATS
+
+
 def capabilities(adapter: AiterAdapter, api: AiterApi, decode_common: dict[str, Any],
                  decode_rules: Sequence[Any]) -> dict[str, Capability]:
     chip = api.fp8_format
     # the prefill-form kernel recasts OCP e4m3fn to fnuz on gfx942; elsewhere it reads the
     # chip's own format. The paged kernel always reads the chip's format.
     prefill_fmts = ("fp8_e4m3fn", "fp8_e4m3fnuz") if api.gfx == "gfx942" else (chip,)
-    chip_only = {"q_formats": "the kernel reads FP8 bytes in the chip's format",
-                 "kv_formats": "the kernel reads FP8 bytes in the chip's format"}
+    chip_only = dict.fromkeys(("q_formats", "kv_formats"), CHIP_FP8_REASON)
     dev = adapter.devices
     index_layout = "row_major" if adapter.persistent else "ragged"
 
     def layout_rule(case: Case) -> str | None:
         if case.index_layout != index_layout:  # type: ignore[union-attr]
-            return (f"the {'persistent' if adapter.persistent else 'non-persistent'} sparse "
-                    f"decode reads {index_layout.replace('_', '-')} slots: the adapter "
-                    f"converts to that layout only")
+            return adapter_choice(
+                f"the {'persistent' if adapter.persistent else 'non-persistent'} sparse decode "
+                f"reads {index_layout.replace('_', '-')} slots; the conversion is the adapter's "
+                "own (AITER has no kernel for it) and makes that layout only")
         return None
 
     def pipeline_format(case: Case) -> str | None:
         fmt = case.index_fmt  # type: ignore[union-attr]
         return None if fmt == chip else (f"indexer keys in {fmt}: the paged kernel reads "
-                                         f"{chip} on {api.gfx}")
+                                         f"{chip} on {api.gfx} ({CHIP_FP8_REASON})")
 
     return {
         Op.MQA_LOGITS: Capability(
@@ -102,6 +111,7 @@ def capabilities(adapter: AiterAdapter, api: AiterApi, decode_common: dict[str, 
         Op.SPARSE_PREFILL: Capability(
             q_formats=("bf16",), kv_formats=("bf16",), head_counts=Range(1, MAX_DECODE_HEADS),
             empty_requests=True, devices=dev, refusal=api.op_problem(Op.SPARSE_PREFILL),
+            reasons=dict.fromkeys(("q_formats", "kv_formats"), SPARSE_PREFILL_FORMATS),
             notes="prefill tokens as sparse decode pseudo-batches over a page-size-1 view of "
                   "the flat latent KV (vLLM's ROCm V3.2 path); no max_logits"),
         Op.SPARSE_PIPELINE: Capability(

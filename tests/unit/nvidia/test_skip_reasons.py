@@ -3,7 +3,9 @@ adapter omission this file lists (issue 32).
 
 The adapters run against the CPU fakes (FlashInfer 0.2.14 and 0.7, FlashMLA, DeepGEMM) or with
 their loader stubbed (aiter-triton, as compiled for sm_90), on an sm_90 GPU as far as the
-adapters can tell, over every case of the premerge and nightly matrices (seed 0). A kernel
+adapters can tell, over every case of the premerge and nightly matrices (seed 0). The AITER
+ASM adapter (ROCm only) runs over mlacheck's model of AITER's API: the same capabilities the
+real adapter computes on gfx950 / gfx942, persistent and not. A kernel
 limit's reason must name where it was read (a file of the kernel library, `path.ext[:line]`) or
 say it was measured; a SKIP the coverage table counts as the adapter's must be in
 ADAPTER_OMISSIONS (and each listed omission must still occur, so the list stays true).
@@ -19,6 +21,7 @@ import pytest
 from _nvidia_fakes import fake_deep_gemm, fake_flash_mla, fake_flashinfer, install  # noqa: I001  (test-local helper)
 
 from mlacheck.backends import aiter_triton, deepgemm, flashinfer, flashmla
+from mlacheck.backends.aiter import adapter as aiter_asm
 from mlacheck.backends import aiter_triton_compat as compat
 from mlacheck.backends.base import skip_reason
 from mlacheck.report.coverage import ADAPTER, KERNEL, skip_class
@@ -44,6 +47,12 @@ ADAPTER_OMISSIONS: dict[tuple[str, str], str] = {
     ("aiter-triton", Op.TOPK): "AITER's Triton top-k not wired",
     ("aiter-triton", Op.INDEX_CONVERSION): "not wired",
     ("aiter-triton", Op.SPARSE_PIPELINE): "not wired",
+    **{(name, op): "empty requests / segments not left out of the call"
+       for name in ("aiter gfx950", "aiter gfx942", "aiter non-persistent")
+       for op in (Op.DECODE, Op.SPARSE_DECODE, Op.PAGED_PREFILL)},
+    ("aiter gfx950", Op.PREFILL): "empty segments not left out of the call",
+    **{(name, Op.INDEX_CONVERSION): "the conversion is the adapter's own, one layout"
+       for name in ("aiter gfx950", "aiter gfx942", "aiter non-persistent")},
 }
 
 # Libraries of one kind of kernel: the ops of another kind are not theirs (DeepGEMM: GEMMs and
@@ -89,6 +98,9 @@ BACKENDS: dict[str, Callable[[pytest.MonkeyPatch], Any]] = {
     **{f"flashinfer{'' if k == 'fa2' else '-fa3'} {v}": _flashinfer(v, k)
        for v in ("0.2.14", "0.7") for k in ("fa2", "fa3")},
     "flashmla": _flashmla, "deepgemm": _deepgemm, "aiter-triton": _aiter_triton,
+    "aiter gfx950": lambda mp: aiter_asm.model_gfx950_factory(),
+    "aiter gfx942": lambda mp: aiter_asm.model_gfx942_factory(),
+    "aiter non-persistent": lambda mp: aiter_asm.model_nonpersistent_factory(),
 }
 
 
