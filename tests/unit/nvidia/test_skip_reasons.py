@@ -21,8 +21,8 @@ import pytest
 from _nvidia_fakes import fake_deep_gemm, fake_flash_mla, fake_flashinfer, install  # noqa: I001  (test-local helper)
 
 from mlacheck.backends import aiter_triton, deepgemm, flashinfer, flashmla
-from mlacheck.backends.aiter import adapter as aiter_asm
 from mlacheck.backends import aiter_triton_compat as compat
+from mlacheck.backends.aiter import adapter as aiter_asm
 from mlacheck.backends.base import skip_reason
 from mlacheck.report.coverage import ADAPTER, KERNEL, skip_class
 from mlacheck.spec import Op
