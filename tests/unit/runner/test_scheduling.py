@@ -157,6 +157,18 @@ def test_two_crashed_workers_and_their_replacements_keep_the_run_going() -> None
     assert not ran & set(crashed)  # the items the workers died under are not run again
 
 
+def test_a_crashed_workers_next_case_goes_back_to_the_head_of_the_queue() -> None:
+    """A worker holds two cases (the one it runs and the next); when it dies under the first,
+    the second goes out next, not after everything else (4 GPUs: it ended the run last)."""
+    sched, nodes, collection = _cpu_scheduler()
+    gw0 = nodes[0]
+    held = _cases(gw0, collection)
+    assert len(held) >= 2
+    sched.remove_node(gw0)
+    queue = list(sched.workqueue)
+    assert queue[0].endswith(held[1]), (held, queue[:3])
+
+
 # --------------------------------------------------------------------------- early start
 # xdist hands out nothing until every worker has collected: on one H100 (8 workers, the
 # nightly) workers finished collecting 15.4 s to 18.2 s after the start, and all got their
