@@ -18,7 +18,9 @@ How cases the kernels cannot take in one launch still run (the verdict's `implem
 says which): `mla_decode_fwd` takes one q_len per launch, so a batch mixing q_len runs as one
 launch per run of consecutive requests with the same q_len (each writes its own contiguous
 rows of the output buffer in place); empty requests (q_len 0) are left out of every launch
-(they have no output rows). The sparse kernel reads global slots as `pos // BLOCK_SIZE`,
+(they have no output rows). `flash_attn_varlen_func` likewise runs over the non-empty
+segments only (cu_seqlens of the kept ones; an empty segment holding cached K/V rows ends a
+launch, the next starts after those rows: slices of the ragged tensors, no copy). The sparse kernel reads global slots as `pos // BLOCK_SIZE`,
 `pos % BLOCK_SIZE` with the page size as its tile and never consults the block table, so a
 pool whose page size is no tile it can use (1, 53, 256..1024) is handed over as a view of the
 same bytes with tile-sized pages (the address of every slot unchanged). The paged prefill
@@ -45,7 +47,7 @@ import importlib.metadata
 import importlib.util
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -190,8 +192,6 @@ PREFILL_REASONS = {
                         "(batch, nheads_k), _triton_kernels/flash_attn_triton_amd/fwd_prefill.py:"
                         "1750-1759",
     "soft_cap": "'softcap not implemented in varlen v3 yet' (attention/mha_v3.py:226-227)",
-    "empty_requests": adapter_choice("empty segments are not left out of the launch (what "
-                                     "flash_attn_varlen_func does with one was not measured)"),
 }
 SPARSE_NO_FP8 = ("no scale arguments: no FP8 (unified_attention_sparse_mla(q, kv, out, ...), "
                  "attention/unified_attention_sparse_mla.py:6-18; Q and KV bfloat16, :24-25)")
@@ -364,6 +364,59 @@ def split_record(runs: list[QLenRun], batch: int) -> str:
     if empty:
         parts.append(f"{empty} empty request{'s' if empty > 1 else ''} left out")
     return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class SegmentRun:
+    """Consecutive non-empty prefill segments whose query rows and K/V rows are contiguous in
+    the ragged tensors: one launch over slices (views) of them."""
+
+    segments: tuple[int, ...]
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    first_q: int
+    first_k: int
+
+    @property
+    def q_rows(self) -> slice:
+        return slice(self.first_q, self.first_q + sum(self.q_lens))
+
+    @property
+    def k_rows(self) -> slice:
+        return slice(self.first_k, self.first_k + sum(self.kv_lens))
+
+
+def segment_runs(q_lens: list[int], kv_lens: list[int]) -> list[SegmentRun]:
+    """The launches of a varlen prefill with the empty segments (q_len 0) left out.
+
+    An empty segment has no query rows; with no K/V rows either it is dropped from
+    cu_seqlens and the run goes on; with K/V rows (a cached context) those rows sit between
+    its neighbours' keys, so the run ends there and the next starts after them.
+    """
+    runs: list[SegmentRun] = []
+    q0 = k0 = 0
+    open_run = False
+    for s, (nq, nk) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        if nq == 0:
+            open_run = open_run and nk == 0
+        elif open_run:
+            last = runs[-1]
+            runs[-1] = replace(last, segments=(*last.segments, s),
+                                           q_lens=(*last.q_lens, nq), kv_lens=(*last.kv_lens, nk))
+        else:
+            runs.append(SegmentRun((s,), (nq,), (nk,), q0, k0))
+            open_run = True
+        q0, k0 = q0 + nq, k0 + nk
+    return runs
+
+
+def segment_split_record(runs: list[SegmentRun], segments: int) -> str:
+    """What the verdict says about a prefill run with its empty segments left out."""
+    empty = segments - sum(len(r.segments) for r in runs)
+    return (f"{empty} empty segment{'s' if empty > 1 else ''} (q_len 0) left out: "
+            f"{len(runs)} launch{'es' if len(runs) > 1 else ''} over segments "
+            + ", ".join(str(list(r.segments)) for r in runs)
+            + " (slices of the ragged q / k / v, cu_seqlens of the kept segments)")
 
 
 def tile_view(kv: torch.Tensor, tile: int, min_tile: int) -> tuple[torch.Tensor, int]:
@@ -601,10 +654,12 @@ class AiterTritonBackend:
             caps[Op.PREFILL] = Capability(
                 q_formats=base + fp8, kv_formats=base + fp8, format_pairs=frozenset(same),
                 scale_policies=("unit", "amax"), causal=(True, False), lse=True, soft_cap=False,
+                empty_requests=True,
                 devices=("cuda",) if torch.cuda.is_available() or compat.compile_only() else (),
                 refusal=problems.get(Op.PREFILL), reasons=PREFILL_REASONS,
                 notes="mha_v3.flash_attn_varlen_func, ragged cu_seqlens, causal bottom-right "
-                      "(seqlen_k - seqlen_q offset); FP8 = FP8 q/k/v with per-tensor descales "
+                      "(seqlen_k - seqlen_q offset); empty segments left out (launched over "
+                      "the kept segments' cu_seqlens); FP8 = FP8 q/k/v with per-tensor descales "
                       "expanded to [B, H]; LSE from a second launch of interface_v3.fwd; "
                       "GPU only (AITER asserts q.is_cuda)." + fp8_note.split(";")[0])
         if Op.SPARSE_DECODE in ops:
@@ -844,39 +899,58 @@ class AiterTritonBackend:
         mha_v3, fa3 = got.modules["mha_v3"], got.modules["fa3"]
         amd = compat.on_rocm() or not self.compat_layer
         patches = compat.mha_prefill_patches(got.modules["fwd_prefill"], mha_v3, amd=amd)
-        q, k, v = inp.q.stored, inp.k.stored, inp.v.stored
+        h = case.num_heads
+        runs = segment_runs([s.q_len for s in case.segments], [s.kv_len for s in case.segments])
+        lse = torch.full((case.total_q, h), float("nan"), dtype=torch.float32, device=inp.device)
+        kernel_dtypes = set()
+        with patches:
+            for run in runs:
+                out, run_lse = self._prefill_launch(fa3, mha_v3, inp, run)
+                inp.out.out[run.q_rows] = out.to(inp.out.out.dtype)
+                kernel_dtypes.add(str(out.dtype))
+                if run_lse is not None:
+                    lse[run.q_rows] = run_lse
+        meta = {"aiter_version": got.version, "patches": patches.describe(),
+                "kernel_out_dtype": ", ".join(sorted(kernel_dtypes))}
+        if case.has_empty:
+            meta["split"] = segment_split_record(runs, len(case.segments))
+        return Output(inp.out.out, lse if case.return_lse else None, metadata=meta,
+                      wrote_into_guarded=False)
+
+    @staticmethod
+    def _prefill_launch(fa3: ModuleType, mha_v3: ModuleType, inp: PrefillInputs,
+                        run: SegmentRun) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """flash_attn_varlen_func over one run of non-empty segments (views of the ragged
+        tensors); the LSE [T, H] from a second launch of interface_v3.fwd when asked for."""
+        case = inp.case
+        q = inp.q.stored[run.q_rows]
+        k, v = inp.k.stored[run.k_rows], inp.v.stored[run.k_rows]
         if compat.compile_only():
             q = q.as_subclass(compat.CudaLookingTensor)
-        nseg, h = len(case.segments), case.num_heads
+        nseg, h = len(run.segments), case.num_heads
         descales: dict[str, torch.Tensor | None] = {"q_descale": None, "k_descale": None,
                                                     "v_descale": None}
         if _is_fp8(case.quant.q):
             for key, t in (("q_descale", inp.q), ("k_descale", inp.k), ("v_descale", inp.v)):
                 descales[key] = _scale_1(t.scale).reshape(1, 1).expand(nseg, h).contiguous()
+        dev = inp.cu_seqlens_q.device
         common: dict[str, Any] = dict(
-            q=q, k=k, v=v, cu_seqlens_q=inp.cu_seqlens_q.to(torch.int32),
-            cu_seqlens_k=inp.cu_seqlens_k.to(torch.int32),
-            max_seqlen_q=max(s.q_len for s in case.segments),
-            max_seqlen_k=max(s.kv_len for s in case.segments),
+            q=q, k=k, v=v, cu_seqlens_q=cu_seqlens(list(run.q_lens)).to(dev, torch.int32),
+            cu_seqlens_k=cu_seqlens(list(run.kv_lens)).to(dev, torch.int32),
+            max_seqlen_q=max(run.q_lens), max_seqlen_k=max(run.kv_lens),
             softmax_scale=case.softmax_scale, causal=case.causal, **descales,
         )
-        with patches:
-            res = mha_v3.flash_attn_varlen_func(**common)
-            lse = None
-            if case.return_lse:
-                none = dict.fromkeys(("k_new", "v_new", "qv", "out", "cu_seqlens_k_new",
-                                      "seqused_q", "seqused_k", "page_table", "kv_batch_idx",
-                                      "leftpad_k", "rotary_cos", "rotary_sin",
-                                      "seqlens_rotary"))
-                _, lse_ht, *_ = fa3.fwd(**common, **none, window_size_left=-1,
-                                        window_size_right=-1, attention_chunk=0, softcap=0.0,
-                                        rotary_interleaved=False)
-                lse = lse_tokens_heads(lse_natural(lse_ht), case.total_q, h, heads_first=True)
+        res = mha_v3.flash_attn_varlen_func(**common)
         out = res[0] if isinstance(res, tuple) else res
-        inp.out.out.copy_(out.to(inp.out.out.dtype))
-        meta = {"aiter_version": got.version, "patches": patches.describe(),
-                "kernel_out_dtype": str(out.dtype)}
-        return Output(inp.out.out, lse, metadata=meta, wrote_into_guarded=False)
+        if not case.return_lse:
+            return out, None
+        none = dict.fromkeys(("k_new", "v_new", "qv", "out", "cu_seqlens_k_new", "seqused_q",
+                              "seqused_k", "page_table", "kv_batch_idx", "leftpad_k",
+                              "rotary_cos", "rotary_sin", "seqlens_rotary"))
+        _, lse_ht, *_ = fa3.fwd(**common, **none, window_size_left=-1, window_size_right=-1,
+                                attention_chunk=0, softcap=0.0, rotary_interleaved=False)
+        return out, lse_tokens_heads(lse_natural(lse_ht), run.q_rows.stop - run.q_rows.start,
+                                     h, heads_first=True)
 
 
 def factory() -> AiterTritonBackend:
