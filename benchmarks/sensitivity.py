@@ -41,7 +41,8 @@ from mlacheck.backends.base import Output
 from mlacheck.backends.faults.generic import PerturbRow
 from mlacheck.backends.registry import resolve
 from mlacheck.backends.torch_ref import TorchBackend
-from mlacheck.harness import BASELINE, RunOptions, baselines, run_case
+from mlacheck.harness import BASELINE, RunOptions, run_case
+from mlacheck.harness import _baseline as baseline_family
 from mlacheck.spec import Case, DecodeCase, PrefillCase, Quant, Request, Segment, SparseDecodeCase
 from mlacheck.verdict import FAIL, PASS, SKIP
 
@@ -77,11 +78,9 @@ def _prepared(case: Case) -> dict[str, Any]:
     res = Output(out.out.clone(), None if out.lse is None else out.lse.clone())
     gold = golden.reference(inp, "exact")
     ideal = golden.reference(inp, "ideal")
-    base = Output(res.out.clone(), None if res.lse is None else res.lse.clone())
     assert type(BASELINE) is TorchBackend  # the baseline IS the unperturbed torch output
-    others = [Output(o.out.clone(), o.lse) for o in (b.run(case, inp) for b in baselines(case)
-                                                      if b is not BASELINE)]
-    return {"inputs": inp, "out": res, "gold": gold, "ideal": ideal, "baseline": [base, *others]}
+    return {"inputs": inp, "out": res, "gold": gold, "ideal": ideal,
+            "baseline": baseline_family(case, inp)}  # the product's own (harness)
 
 
 def _caught(case: Case, prep: dict[str, Any], delta: float, fault: PerturbRow,

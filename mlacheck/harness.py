@@ -34,6 +34,10 @@ from mlacheck.verdict import Verdict
 
 BASELINE = TorchBackend(name="baseline")
 P_NORMALISED_BASELINE = TorchBackend(Numerics(p_normalised=True), name="baseline-p-normalised")
+# Not a bound of its own: the eager baseline with each row's largest weight rounded as badly
+# as the P format can, from which the judge takes each FP8 row's allowance for that rounding.
+PEAK_ROUNDED_BASELINE = TorchBackend(Numerics(peak_rounding=tol.PEAK_ROUNDOFFS),
+                                     name=judge.PEAK_ROUNDED)
 
 
 class DeviceError(RuntimeError):
@@ -287,12 +291,14 @@ def _baseline(case: Case, inp: inputs_mod.Inputs) -> list[Output]:
     """The same-precision baselines, always mlacheck's own instances (never the object under
     test, even when that is a torch backend: a patched one must not bound itself), each run
     on its own copy of the output buffer: BASELINE, and where P is rounded also
-    P_NORMALISED_BASELINE (see baselines())."""
+    P_NORMALISED_BASELINE, and with FP8 P PEAK_ROUNDED_BASELINE (see baselines()); each
+    Output's metadata names its baseline ("baseline")."""
     saved = inp.out.full.clone()
     family = []
     for b in baselines(case):
         res = b.run(case, inp)
-        family.append(Output(res.out.clone(), res.lse, extra=dict(res.extra)))
+        family.append(Output(res.out.clone(), res.lse, metadata={"baseline": b.name},
+                             extra=dict(res.extra)))
         inp.out.full.copy_(saved)
     return family
 
@@ -311,11 +317,17 @@ def baselines(case: Case) -> list[TorchBackend]:
     key: 13 x 2^-11 = 0.0064). So wherever P is rounded the family is BASELINE and
     P_NORMALISED_BASELINE (whose largest weight is rounded); which checks take the family's
     worse is the judge's (mlacheck.judge._judge_numerics: every check with FP8 P, the largest
-    element alone with 16-bit P; docs/detection.md "P rounding families")."""
+    element alone with 16-bit P; docs/detection.md "P rounding families"). With FP8 P
+    PEAK_ROUNDED_BASELINE too: each row's allowance for the rounding of its largest weight
+    (mlacheck.judge._fp8_row_bounds; docs/detection.md section 2)."""
     if case.op in PIPELINE_OPS and case.op not in (Op.SPARSE_PIPELINE, Op.SPARSE_PREFILL):
         return [BASELINE]  # logits, selections, slots: no P
     p_fmt = tol.compute_format(case.quant.q, case.quant.kv)
-    return [BASELINE] if p_fmt == "fp32" else [BASELINE, P_NORMALISED_BASELINE]
+    if p_fmt == "fp32":
+        return [BASELINE]
+    if p_fmt.startswith("fp8"):
+        return [BASELINE, P_NORMALISED_BASELINE, PEAK_ROUNDED_BASELINE]
+    return [BASELINE, P_NORMALISED_BASELINE]
 
 
 def _out_of_memory(e: Exception) -> bool:

@@ -446,7 +446,7 @@ def _baseline_on_own_selection(inputs: Any, baseline: Output, gold: Any,
     b_slots = baseline.extra.get("slots")
     out, lse = baseline.out.detach().cpu().clone(), baseline.lse
     if b_slots is None:
-        return Output(ref.out.detach().cpu().clone(), ref.lse)
+        return Output(ref.out.detach().cpu().clone(), ref.lse, metadata=dict(baseline.metadata))
     b_slots = b_slots.detach().cpu().long()
     other = ~sparse_index.same_sets(b_slots, gold_slots) | ~sparse_index.same_sets(b_slots, slots)
     if bool(other.any()):
@@ -454,7 +454,7 @@ def _baseline_on_own_selection(inputs: Any, baseline: Output, gold: Any,
         if lse is not None:
             lse = lse.detach().cpu().clone()
             lse[other] = ref.lse.detach().cpu()[other].to(lse.dtype)
-    return Output(out, lse)
+    return Output(out, lse, metadata=dict(baseline.metadata))  # which baseline (harness)
 
 
 _JUDGES = {

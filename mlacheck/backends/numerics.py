@@ -43,6 +43,12 @@ class Numerics:
     # this many powers of two (FlashAttention-4 uses 8 with 16-bit P): P = exp(s - stale max)
     # reaches 2^lazy_rescale, and rescales of the accumulator are rare. 0: eager (default).
     lazy_rescale: float = 0.0
+    # peak_rounding: the weights at the running max (P == 1, which the eager kernel leaves
+    # exact) times (1 + this many unit roundoffs of the P format): as badly as a kernel that
+    # scales P otherwise before rounding it (P / l, a stale max) can round the row's largest
+    # weight. Not a kernel: the baseline the judge derives each FP8 row's allowance for that
+    # rounding from (mlacheck.harness.baselines, tolerances.PEAK_ROUNDOFFS). 0: off.
+    peak_rounding: float = 0.0
     # Precision lost in PART of the accumulation (fp32 everywhere in a correct kernel; the
     # faults of mlacheck/backends/faults/precision.py set one): the P.V product of every
     # `tile_every`-th kv tile (the last of each group) kept in `pv_tile_format` before it
@@ -195,7 +201,8 @@ def _online_tiles(
             vv = torch.nn.functional.pad(vv, (0, 0, 0, pad))
         o, lse = _normalised(torch.matmul(p_r, vv), torch.ones_like(l), last_max)
         return o, lse + torch.log(l).squeeze(-1).permute(1, 0)
-    p_r = fp8.round_trip(p, p_format) if p_format != "fp32" else p
+    p_r = _peak_rounded(p, fp8.round_trip(p, p_format) if p_format != "fp32" else p,
+                        p_format, nm)
     vv = v[lo:hi].permute(1, 0, 2)  # [Hk, n, Dv]
     if pad:
         vv = torch.nn.functional.pad(vv, (0, 0, 0, pad))
@@ -205,6 +212,15 @@ def _online_tiles(
         return _normalised((prod * w.permute(0, 2, 1).unsqueeze(-1)).sum(1), l, last_max)
     p_r = (p_r * w.unsqueeze(-1)).view(h, sq, tiles * blk)
     return _normalised(torch.matmul(p_r, vv), l, last_max)
+
+
+def _peak_rounded(p: torch.Tensor, p_r: torch.Tensor, p_format: str, nm: Numerics
+                  ) -> torch.Tensor:
+    """p_r with the weights at the running max (p == 1, exact in p_r) times (1 +
+    nm.peak_rounding unit roundoffs of the P format)."""
+    if not nm.peak_rounding or p_format == "fp32":
+        return p_r
+    return torch.where(p == 1, p_r * (1 + nm.peak_rounding * fp8.fmt(p_format).eps), p_r)
 
 
 def _narrow_tiles(tiles: int, nm: Numerics, device: torch.device) -> torch.Tensor:
@@ -237,7 +253,8 @@ def _online_sequential(
         alpha = torch.exp(m - m_safe)
         p = torch.exp(s - m_safe)
         l = l * alpha + p.sum(-1, keepdim=True)
-        p_r = fp8.round_trip(p, p_format) if p_format != "fp32" else p
+        p_r = _peak_rounded(p, fp8.round_trip(p, p_format) if p_format != "fp32" else p,
+                            p_format, nm)
         acc = acc * alpha + torch.matmul(p_r, vb)
         if nm.acc_format != "fp32":
             acc = fp8.round_trip(acc, nm.acc_format)
