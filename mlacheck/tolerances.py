@@ -69,11 +69,14 @@ SYSTEMATIC_P_FORMATS = ("fp32", "bf16", "fp16")
 # baseline's own error on r + the error of the eager baseline with r's largest weight
 # rounded by PEAK_ROUNDOFFS unit roundoffs of the P format + floor). PEAK_ROUNDOFFS = 1: the
 # most round-to-nearest can move one weight (u / (1 + u) relative, under u). The eager
-# row's error enters once (FP8_OWN_ROW_FACTOR): measured on premerge's FP8 cases (CPU,
-# 2026-11-27, seeds 0-3), torch-lazy reached 0.87 of this bound (the worst rounding of the
-# largest weight on a row one key dominates: 0.057 of 0.069), torch-split / torch-reverse
-# 0.67; with 2 x the eager row (more room for the other weights) the one-row sensitivity
-# stayed at 9.3-11.1 %, past the 10 % target; with 1 x it is 7.7-9.3 % (20 seeds).
+# row's error enters once (FP8_OWN_ROW_FACTOR): over premerge's FP8 attention cases (CPU,
+# 2026-11-27, seeds 0-3, 1024 case runs, 1.6M rows) torch-lazy reached 0.89 of this bound
+# (a near-worst rounding of the largest weight on a row one key dominates: 0.057 of 0.069;
+# the ceiling there is (u / (1 + u) + its other roundings) / (u + the eager row + floor)),
+# torch-reverse 0.67, torch-split 0.54. With 2 x the eager row (more room for the other
+# weights: torch-lazy 0.82) the one-row sensitivity stayed at 9.3-11.1 % over 20 seeds,
+# past the 10 % target; with 1 x it is 7.7-9.3 % (both computed from the perturbed rows'
+# errors; benchmarks/sensitivity.py measured 7.0-8.3 % over 5 seeds: docs/detection.md 2).
 PEAK_ROUNDOFFS = 1.0
 FP8_OWN_ROW_FACTOR = 1.0
 
