@@ -13,11 +13,17 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from mlacheck.golden.core import SCORE_BLOCK_BYTES
+from mlacheck.formats import indexer_page_bytes
 from mlacheck.ops import Op
 from mlacheck.spec import FORMAT_BYTES, PIPELINE_OPS, Case, PrefillCase
 
 FP32 = 4
+# Largest score block the golden (mlacheck.golden.core) materialises at once: 512 MiB (2^27
+# fp32 or 2^26 fp64 elements). A 16k-token x 128-head prefill or a 128k-context decode then
+# runs in bounded memory on CPU and GPU, and fp64 stays within the same bytes as fp32
+# (benchmarks/golden_perf.py measures it). Here, not in the golden: this module is read by
+# the xdist controller (the scheduler's estimates), which does not import torch.
+SCORE_BLOCK_BYTES = 512 << 20
 # The count below misses temporaries (casts, gathers, the backends' own copies). Measured
 # (torch.cuda.max_memory_allocated per case, H100 nightly with torch + aiter-model +
 # aiter-triton, 2026-11-25): a case's device peak was at most 2.03x the count plus
@@ -100,10 +106,8 @@ def _indexer(case: Any) -> Footprint:
 
 
 def _paged_indexer(case: Any) -> Footprint:
-    from mlacheck import indexer_cache
-
     rows, width = case.total_q, max(case.kv_lengths)
-    page_bytes = indexer_cache.page_bytes(case.page_size, case.head_dim)
+    page_bytes = indexer_page_bytes(case.page_size, case.head_dim)
     pool = case.placement.pool_pages(list(case.kv_lengths), case.page_size,
                                      page_bytes) * page_bytes
     inputs = (_indexer_query(rows, case.num_heads, case.head_dim)

@@ -12,3 +12,13 @@ VECTOR_BYTES = 16
 
 def vector_width(fmt: str) -> int:
     return VECTOR_BYTES // FORMAT_BYTES[fmt]
+
+
+# A page of the paged FP8 indexer-key cache (mlacheck.indexer_cache): its tokens' FP8 values,
+# then one FP32 scale per token. Here, without torch: the run's controller sizes cases by it
+# (mlacheck.footprint) and imports no torch.
+INDEXER_SCALE_BYTES = 4
+
+
+def indexer_page_bytes(page_size: int, dim: int) -> int:
+    return page_size * (dim + INDEXER_SCALE_BYTES)

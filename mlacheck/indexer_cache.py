@@ -20,11 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from mlacheck import fp8
+from mlacheck.formats import INDEXER_SCALE_BYTES as SCALE_BYTES
+from mlacheck.formats import indexer_page_bytes as page_bytes  # noqa: F401 (re-exported)
 
 # vLLM's indexer_k_quant_and_cache: scale = max(amax, AMAX_FLOOR) / fmt max (e4m3fn 448;
 # on fnuz it divides by 224, half the fnuz max, to stay clear of the NaN boundary).
 AMAX_FLOOR = 1e-4
-SCALE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,6 @@ def quantise_keys(k: torch.Tensor, fmt_name: str = "fp8_e4m3fn", ue8m0: bool = F
     scale = scale.to(k.device)
     values = fp8.quantize(k, fmt_name, scale[:, None])
     return IndexerKeys(values, scale.to(torch.float32), fmt_name)
-
-
-def page_bytes(page_size: int, dim: int) -> int:
-    return page_size * (dim + SCALE_BYTES)
 
 
 def pack(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

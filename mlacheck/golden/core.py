@@ -14,10 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Largest score block materialised at once: 512 MiB (2^27 fp32 or 2^26 fp64 elements). A
-# 16k-token x 128-head prefill or a 128k-context decode then runs in bounded memory on CPU and
-# GPU, and fp64 stays within the same bytes as fp32 (benchmarks/golden_perf.py measures it).
-SCORE_BLOCK_BYTES = 512 << 20
+from mlacheck.footprint import SCORE_BLOCK_BYTES
 
 
 def score_block_elements(dtype: torch.dtype) -> int:
