@@ -234,6 +234,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, Any] | 
     stage = {} if stage is None else stage
     stage["report"] = args.report
     from mlacheck import results as results_file
+    from mlacheck.backends.registry import builtin_name
     from mlacheck.matrices import load
     from mlacheck.preflight import (
         check_expression,
@@ -274,15 +275,20 @@ def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, Any] | 
     chosen = _selection(matrix, request.backends, args)
     stage["kept"] = chosen.kept
     # a requested backend is required: the run does not start without it. Asked in another
-    # process from here (beside this one's torch import and pytest starting the workers),
-    # awaited before the first item
-    with contextlib.closing(_Usability(request)) as usable:
-        with _signals_held():  # imports torch
-            request = _resolved(request)  # every backend resolved before pytest starts: exit 2
+    # process from here (beside pytest starting the workers), awaited before the first item;
+    # where the names and the device are known without torch, resolving them and checking
+    # the device are that process's too (the workers start ~4 s sooner: torch's import)
+    in_probe = _checked_in_probe(request)
+    with contextlib.closing(_Usability(request, resolves=in_probe)) as usable:
+        if in_probe:
+            request = request.resolved(lambda b: builtin_name(b) or b)
+        else:
+            with _signals_held():  # imports torch
+                request = _resolved(request)  # every backend resolved before pytest: exit 2
         _stop_if_signalled()
         stage["request"] = request
         usable.resolved(request)
-        device = resolve_device(request.device)
+        device = request.device if in_probe else resolve_device(request.device)
         stage["device"] = device
         return _session(args, extra, stage, request, matrix, chosen, results, shard, device,
                         usable)
@@ -390,7 +396,12 @@ def _session(args: argparse.Namespace, extra: list[str], stage: dict[str, Any], 
 
     end, gate = _SessionEnd(), BackendsUsable(usable.result, clear)
     _stop_if_signalled()
+    if usable.resolves:
+        argv.append("--mla-checked-by-caller")
     code = int(pytest.main(argv, plugins=[end, gate]))
+    late = _late_error(gate, usable, code)
+    if late:  # exit 2, as when checked before pytest started (no item ran, nothing written)
+        raise UsageError(late)
     if gate.unusable:
         return _not_run(request, gate.unusable, stage)
     clear()  # pytest stopped before it asked (a usage or internal error): as it would have
@@ -427,6 +438,19 @@ def _session(args: argparse.Namespace, extra: list[str], stage: dict[str, Any], 
     for line in lines:
         print(line)
     return code
+
+
+def _late_error(gate: Any, usable: _Usability, code: int) -> str:
+    """The error of the checks left to the usability probe (_checked_in_probe), '' if none:
+    as the gate met it before the first item, or, where pytest stopped before asking (a usage
+    or internal error while starting), asked now: it would have been found first."""
+    if gate.error or not usable.resolves or gate.asked or code == PYTEST_INTERRUPTED:
+        return gate.error
+    try:
+        usable.result()
+    except UsageError as e:
+        return str(e)
+    return ""
 
 
 def _selection(matrix, backends, args: argparse.Namespace):  # noqa: ANN001, ANN202
@@ -472,19 +496,32 @@ class _Usability:
     """{name: why} of the requested backends that are not usable here (mlacheck list's
     verdict: the library is missing, its API does not fit, its probe failed), from a probe
     started on the backends as requested (mlacheck.inventory.UsabilityProbe) and read, under
-    the names they resolved to, when `result()` is asked."""
+    the names they resolved to, when `result()` is asked. `resolves`: the probe also
+    resolves the backends and checks the device (_checked_in_probe), and `result()` raises
+    UsageError with the first of them that fails, or for a built-in backend that records its
+    verdicts under another name than the one taken for it here (a suite bug)."""
 
-    def __init__(self, request) -> None:  # noqa: ANN001 - mlacheck.session.RunRequest
+    def __init__(self, request, resolves: bool = False) -> None:  # noqa: ANN001 - RunRequest
         from mlacheck.inventory import UsabilityProbe
 
-        self._probe = UsabilityProbe(list(request.backends))
+        self.resolves = resolves
+        self._probe = UsabilityProbe(list(request.backends),
+                                     request.device if resolves else None)
         self._names: dict[str, str] = {}
 
     def resolved(self, request) -> None:  # noqa: ANN001 - mlacheck.session.RunRequest
         self._names = dict(zip(request.backends, request.names, strict=True))
 
     def result(self) -> dict[str, str]:
-        return {self._names[spec]: why for spec, why in self._probe.result().items()
+        answer = self._probe.result()
+        if answer.error:
+            raise UsageError(answer.error)
+        for spec, name in answer.names.items():
+            if self._names.get(spec, name) != name:
+                raise UsageError(f"backend {spec!r} records its verdicts as {name!r}, not "
+                                 "under its built-in name (mlacheck.backends.registry.BUILTIN: "
+                                 "a suite bug)")
+        return {self._names[spec]: why for spec, why in answer.unusable.items()
                 if spec in self._names}
 
     def close(self) -> None:
@@ -503,6 +540,18 @@ def _parsed_request(args: argparse.Namespace):  # noqa: ANN202 - mlacheck.sessio
         require_ops=args.require_ops, min_executed=args.min_executed,
         allow_xpass=args.allow_xpass,
     )
+
+
+def _checked_in_probe(request) -> bool:  # noqa: ANN001 - mlacheck.session.RunRequest
+    """Whether every backend is a built-in name and the device is named outright (cpu, cuda,
+    cuda:N): then their names and the device are known without importing torch, and resolving
+    the backends and checking the device (exit 2 as before) are left to the usability probe,
+    whose answer is awaited before the first item. Import paths, entry points and
+    --device auto need an import to be known: resolved here, before pytest starts."""
+    from mlacheck.backends.registry import builtin_name
+    from mlacheck.preflight import is_explicit
+
+    return is_explicit(request.device) and all(builtin_name(b) for b in request.backends)
 
 
 def _resolved(request):  # noqa: ANN001, ANN202 - mlacheck.session.RunRequest

@@ -41,6 +41,11 @@ def backend_status(name: str, source: str = "builtin") -> BackendStatus:
         b = resolve(name)
     except BackendError as e:
         return BackendStatus(name, False, str(e), source=source)
+    return status_of(b, name, source)
+
+
+def status_of(b: Any, name: str, source: str = "builtin") -> BackendStatus:
+    """A resolved backend's status: usable, or why not (a probe that raises is a reason)."""
     try:
         why = b.unavailable()
     except Exception as e:  # noqa: BLE001 - a broken probe is a reason, not a crash of `list`
@@ -57,60 +62,94 @@ def backend_status(name: str, source: str = "builtin") -> BackendStatus:
     return BackendStatus(name, True, None, text, source, caps)
 
 
-def unusable_reasons(specs: list[str]) -> dict[str, str]:
-    """{spec: why} of the backends that are not usable here."""
-    found = {}
+@dataclass(frozen=True)
+class RunCheck:
+    """What a run must know of its backends and device before its first item, asked where
+    they are imported: `names` (spec -> the name its verdicts record); `error`, the one line of
+    the first backend that cannot be resolved, else of a device torch does not accept or see
+    (`mlacheck run`: exit 2, as when found before pytest started); `unusable` (spec -> why
+    not usable here: exit 6), asked only when there is no error."""
+
+    names: dict[str, str] = field(default_factory=dict)
+    error: str = ""
+    unusable: dict[str, str] = field(default_factory=dict)
+
+
+def check_run(specs: list[str], device: str | None = None) -> RunCheck:
+    """The backends resolved in order (the first BackendError is the error, as
+    mlacheck.session.RunRequest.resolved meets it), then the device (when given:
+    mlacheck.preflight.resolve_device), then each backend's usability (as `mlacheck list`)."""
+    from mlacheck.backends.registry import BackendError, resolve
+    from mlacheck.preflight import PreflightError, resolve_device
+
+    backends: dict[str, Any] = {}
     for spec in specs:
-        status = backend_status(spec)
+        try:
+            backends[spec] = resolve(spec)
+        except BackendError as e:
+            return RunCheck({s: b.name for s, b in backends.items()}, str(e))
+    names = {s: str(b.name) for s, b in backends.items()}
+    if device is not None:
+        try:
+            resolve_device(device)
+        except PreflightError as e:
+            return RunCheck(names, str(e))
+    unusable = {}
+    for spec, b in backends.items():
+        status = status_of(b, spec)
         if not status.usable:
-            found[spec] = status.reason or "not usable"
-    return found
+            unusable[spec] = status.reason or "not usable"
+    return RunCheck(names, "", unusable)
 
 
 class UsabilityProbe:
-    """unusable_reasons in a separate process, started before a run's workers: importing the
+    """check_run in a separate process, started before a run's workers: importing the
     libraries is most of the time before the first worker starts (on one H100, 2026-11-27:
     torch 3.8 s, AITER 5.4 s of the CLI's 9.3 s), and the workers import them again anyway.
-    `result()` waits for the answer; a probe that could not run or died answers in this
-    process instead (the same function), so a broken probe never becomes a verdict."""
+    `device`: also checked there (None: the caller checked it). `result()` waits for the
+    answer; a probe that could not run or died answers in this process instead (the same
+    function), so a broken probe never becomes a verdict."""
 
-    def __init__(self, specs: list[str]) -> None:
+    def __init__(self, specs: list[str], device: str | None = None) -> None:
         import subprocess
         import sys
         import tempfile
 
-        self.specs = list(specs)
-        self._answer: dict[str, str] | None = None
+        self.specs, self.device = list(specs), device
+        self._answer: RunCheck | None = None
         fd, self._path = tempfile.mkstemp(prefix="mlacheck-usable-", suffix=".json")
         os.close(fd)
-        code = ("import sys; from mlacheck.inventory import _write_unusable; "
-                "_write_unusable(sys.argv[1], sys.argv[2:])")
+        code = ("import sys; from mlacheck.inventory import _write_check; "
+                "_write_check(sys.argv[1], sys.argv[2] or None, sys.argv[3:])")
         try:  # its output is the file: what a library prints on import is not read
             self._proc: Any = subprocess.Popen(
-                [sys.executable, "-c", code, self._path, *self.specs],
+                [sys.executable, "-c", code, self._path, device or "", *self.specs],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         except OSError:
             self._proc = None
 
-    def result(self) -> dict[str, str]:
+    def result(self) -> RunCheck:
         if self._answer is None:
             self._answer = self._read()
         return self._answer
 
-    def _read(self) -> dict[str, str]:
+    def _read(self) -> RunCheck:
         import json
 
         try:
             if self._proc is not None and self._proc.wait() == 0:
                 with open(self._path) as f:
                     doc = json.load(f)
-                if isinstance(doc, dict) and set(doc) <= set(self.specs):
-                    return {str(k): str(v) for k, v in doc.items()}
-        except (OSError, ValueError):
+                answer = RunCheck(**doc)
+                if set(answer.names) | set(answer.unusable) <= set(self.specs) and all(
+                        isinstance(v, str) for d in (answer.names, answer.unusable)
+                        for v in d.values()) and isinstance(answer.error, str):
+                    return answer
+        except (OSError, ValueError, TypeError):
             pass
         finally:
             self.close()
-        return unusable_reasons(self.specs)
+        return check_run(self.specs, self.device)
 
     def close(self) -> None:
         """Stop the probe if it still runs (the run ended first) and remove its file."""
@@ -122,13 +161,13 @@ class UsabilityProbe:
                 os.unlink(path)
 
 
-def _write_unusable(path: str, specs: list[str]) -> None:
+def _write_check(path: str, device: str | None, specs: list[str]) -> None:
     import json
 
-    answer = unusable_reasons(specs)
+    answer = check_run(specs, device)
     tmp = f"{path}.part"
     with open(tmp, "w") as f:
-        json.dump(answer, f)
+        json.dump(asdict(answer), f)
     os.replace(tmp, path)
 
 

@@ -44,6 +44,17 @@ def resolve_device(spec: str) -> str:
     return spec
 
 
+# cpu, cuda, cuda:N as torch.device parses them (no leading zeros: "cuda:01" is invalid there)
+_EXPLICIT_DEVICE = re.compile(r"cpu|cuda(:(0|[1-9][0-9]*))?")
+
+
+def is_explicit(spec: str) -> bool:
+    """A device named outright (not auto, no spelling torch would have to judge): what remains
+    to check of it (a GPU torch sees, its index) may be asked where torch is imported anyway,
+    `mlacheck run`'s usability probe, and the run's controller need not import torch."""
+    return _EXPLICIT_DEVICE.fullmatch(spec) is not None
+
+
 def gpu_count() -> int:
     """GPUs this process may use, without initialising the CUDA/HIP context: the machine's
     (/sys/class/kfd, /proc/driver/nvidia), as many as the *_VISIBLE_DEVICES the runtime reads

@@ -53,6 +53,13 @@ def available_names() -> list[str]:
     return names
 
 
+def builtin_name(spec: str) -> str | None:
+    """The name a built-in backend's verdicts record, known without importing it: its key in
+    BUILTIN (tests/unit/runner/test_controller_start.py checks resolve(k).name == k); None
+    for any other spec. What lets `mlacheck run` start its workers before torch is imported."""
+    return spec if spec in BUILTIN else None
+
+
 def resolve(spec: str) -> Backend:
     """A backend from a built-in name, an entry-point name, or `pkg.mod:factory`."""
     target = BUILTIN.get(spec)

@@ -225,15 +225,20 @@ def test_named_backends_are_all_required_and_cpu_keeps_the_embedded_default() ->
 
 def test_the_usability_probe_answers_as_the_listing_does_and_without_its_process(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """`mlacheck run` asks in a probe process (mlacheck.inventory.UsabilityProbe); where that
+    """`mlacheck run` asks in a probe process (mlacheck.inventory.UsabilityProbe): the
+    listing's reasons, and the first backend that cannot be resolved (its error); where that
     process cannot start, the same question is answered in this one: never no answer."""
     import sys
 
-    from mlacheck.inventory import UsabilityProbe, unusable_reasons
+    from mlacheck.inventory import UsabilityProbe, backend_status, check_run
 
+    listed = [backend_status(s) for s in ("torch", "aiter")]
+    assert check_run(["torch", "aiter"]).unusable == {s.name: s.reason for s in listed
+                                                      if not s.usable}
     specs = ["torch", "nosuch-backend"]
-    expected = unusable_reasons(specs)
-    assert list(expected) == ["nosuch-backend"] and "unknown backend" in expected["nosuch-backend"]
+    expected = check_run(specs)
+    assert expected.names == {"torch": "torch"} and not expected.unusable
+    assert expected.error.startswith("unknown backend 'nosuch-backend'")
     assert UsabilityProbe(specs).result() == expected
     monkeypatch.setattr(sys, "executable", "/nonexistent/python")
     probe = UsabilityProbe(specs)

@@ -8,6 +8,8 @@ import pytest
 class _AllUsable:
     """`mlacheck run`'s usability probe, answered without a probe process."""
 
+    resolves = False
+
     def resolved(self, request: object) -> None:
         pass
 
@@ -24,4 +26,4 @@ def backends_usable(monkeypatch: pytest.MonkeyPatch) -> None:
     never awaits one)."""
     from mlacheck import cli
 
-    monkeypatch.setattr(cli, "_Usability", lambda request: _AllUsable())
+    monkeypatch.setattr(cli, "_Usability", lambda request, resolves=False: _AllUsable())
