@@ -50,11 +50,17 @@ class KnownFailure:
         return backend in self.backends and case.op == self.op and bool(self.applies(case))
 
 
-def _nan_poisoned_partial_last_page(case: Case) -> bool:
-    """A request whose last page is partial, in a pool whose tails hold NaN."""
+def _nan_poisoned_partial_last_tile(case: Case) -> bool:
+    """A request whose last KV tile is partial, in a pool whose tails hold NaN. The tile is
+    mla_decode_fwd's: the page, or the smaller tile a page of whole tiles runs as (a view,
+    aiter_triton.decode_tile): a page of 256 holding 128 tokens has no tail in its tiles."""
+    from mlacheck.backends.aiter_triton import decode_tile, native_pages
+
     paging = case.paging
-    return (paging is not None and case.placement.tail_poison == "nan"
-            and any(n % paging.page_size for n in case.kv_lengths))
+    if paging is None or case.placement.tail_poison != "nan":
+        return False
+    tile = decode_tile(paging.page_size, native_pages()) or paging.page_size
+    return any(n % tile for n in case.kv_lengths)
 
 
 def _folded_kv_offset_wrong(gfx: str | None) -> Callable[[Case], bool]:
@@ -136,7 +142,7 @@ RULES: tuple[KnownFailure, ...] = (
         name="aiter-triton-partial-page-tail",
         backends=("aiter-triton",),
         op=Op.DECODE,
-        applies=_nan_poisoned_partial_last_page,
+        applies=_nan_poisoned_partial_last_tile,
         finding=("AITER Triton mla_decode_fwd reads the unused tail of a partial last page "
                  "without a mask and multiplies it by P=0: NaN in stale cache memory turns every "
                  "head of the request NaN (finite tails pass: see the -sentinel cases). "

@@ -65,6 +65,22 @@ class PageTable:
         pos = torch.arange(n)
         return self.pages_of(r)[pos // self.page_size] * self.page_size + pos % self.page_size
 
+    def in_pages_of(self, tile: int) -> PageTable:
+        """The same slots as `tile`-token pages: page p of `page_size` tokens is pages
+        p*r .. p*r + r - 1 (r = page_size / tile) of a view of the pool with `tile`-token pages
+        (slot p*page_size + o is (p*r + o // tile, o % tile) there). Each request keeps the
+        pages its tokens need."""
+        if tile < 1 or self.page_size % tile:
+            raise ValueError(f"a {self.page_size}-token page is no whole number of {tile}-token pages")
+        r = self.page_size // tile
+        split = self.indices[:, None] * r + torch.arange(r)[None, :]  # [pages, r]
+        need = pages_needed(self.kv_lens, tile)
+        indptr = torch.zeros_like(self.indptr)
+        indptr[1:] = torch.cumsum(need, 0)
+        indices = torch.cat([split[int(self.indptr[b]):int(self.indptr[b + 1])].flatten()[:int(n)]
+                             for b, n in enumerate(need)]) if self.batch else self.indices
+        return PageTable(tile, indptr, indices, self.kv_lens)
+
     @property
     def last_page_lens(self) -> torch.Tensor:
         return self.kv_lens - (self.indptr[1:] - self.indptr[:-1] - 1) * self.page_size

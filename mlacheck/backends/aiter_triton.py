@@ -18,7 +18,9 @@ How cases the kernels cannot take in one launch still run (the verdict's `implem
 says which): `mla_decode_fwd` takes one q_len per launch, so a batch mixing q_len runs as one
 launch per run of consecutive requests with the same q_len (each writes its own contiguous
 rows of the output buffer in place); empty requests (q_len 0) are left out of every launch
-(they have no output rows). `flash_attn_varlen_func` likewise runs over the non-empty
+(they have no output rows); a page size that is a whole number of the kernel's tiles (48,
+256..1024 on sm_90) goes in as a view of the same pool bytes with tile-sized pages, the block
+table expanded (page p of P tokens -> pages p*P/t .. p*P/t + P/t - 1 of t). `flash_attn_varlen_func` likewise runs over the non-empty
 segments only (cu_seqlens of the kept ones; an empty segment holding cached K/V rows ends a
 launch, the next starts after those rows: slices of the ragged tensors, no copy). The sparse kernel reads global slots as `pos // BLOCK_SIZE`,
 `pos % BLOCK_SIZE` with the page size as its tile and never consults the block table, so a
@@ -180,8 +182,6 @@ DECODE_PAGE_REASON = ("the page is the kernel's KV tile (TILE_SIZE = block_size,
                       "mla.py:424): a power of two, >= 16 for tl.dot; at 256 more shared memory "
                       "than an H100 has (measured: compile-only for sm_90, docs/aiter-triton.md "
                       "section 5)")
-PAGE_VIEW_OMISSION = ("a view of the same bytes as {tile}-token pages (the block table expanded "
-                      "{ratio}x) would run it; not wired for mla_decode_fwd")
 FP8_Q_PAGE_REASON = ("the FP8 tl.dot over the page needs K >= {min_page} on this target "
                      "(measured: compile-only for sm_90, docs/aiter-triton.md section 5)")
 PREFILL_REASONS = {
@@ -231,13 +231,32 @@ PAGED_PREFILL_REASONS = {
 # --------------------------------------------------------------------------- capability
 
 
-def fp8_q_needs_page(min_page: int) -> CaseRule:
-    """Off ROCm, the FP8 x FP8 tl.dot over the page (P x V in mla_decode_fwd) needs K >= 32."""
+def native_pages() -> tuple[int, ...]:
+    """The page sizes the decode and sparse kernels take as their tile on this platform."""
+    return POW2_PAGES_FROM_16 if compat.on_rocm() else NVIDIA_PAGES
+
+
+def decode_tile(page_size: int, pages: tuple[int, ...]) -> int | None:
+    """The tile mla_decode_fwd runs a page size with: the page itself when it is one of the
+    kernel's tiles (`pages`), else the largest tile a page is a whole number of (a view of the
+    same bytes with pages that small), else None (no tile fits)."""
+    if page_size in pages:
+        return page_size
+    return max((t for t in pages if page_size % t == 0), default=None)
+
+
+def fp8_q_needs_page(min_page: int, pages: tuple[int, ...]) -> CaseRule:
+    """Off ROCm, the FP8 x FP8 tl.dot over the page (P x V in mla_decode_fwd) needs K >= 32;
+    K is the tile the page runs as (decode_tile)."""
 
     def rule(case: Case) -> str | None:
         paging = case.paging
-        if _is_fp8(case.quant.q) and paging is not None and paging.page_size < min_page:
-            return (f"page size {paging.page_size} with FP8 q: "
+        if not _is_fp8(case.quant.q) or paging is None:
+            return None
+        tile = decode_tile(paging.page_size, pages) or paging.page_size
+        if tile < min_page:
+            as_tile = "" if tile == paging.page_size else f" (run as {tile}-token pages)"
+            return (f"page size {paging.page_size}{as_tile} with FP8 q: "
                     + FP8_Q_PAGE_REASON.format(min_page=min_page))
         return None
 
@@ -245,19 +264,15 @@ def fp8_q_needs_page(min_page: int) -> CaseRule:
 
 
 def decode_page_rule(pages: tuple[int, ...]) -> CaseRule:
-    """mla_decode_fwd's page is its tile: a page size outside `pages` is the kernel's limit,
-    except one that a whole number of tiles makes up (a view would run it: the adapter's)."""
+    """mla_decode_fwd's page is its tile: a page size no tile divides is the kernel's limit
+    (one that whole tiles make up runs as a view: decode_tile)."""
 
     def rule(case: Case) -> str | None:
         paging = case.paging
-        if paging is None or paging.page_size in pages:
+        if paging is None or decode_tile(paging.page_size, pages) is not None:
             return None
-        ps = paging.page_size
-        refused = f"page size {ps} not in {{{', '.join(map(str, sorted(pages)))}}}"
-        tile = max((t for t in pages if ps % t == 0), default=None)
-        if tile is None:
-            return f"{refused} ({DECODE_PAGE_REASON})"
-        return f"{refused} ({adapter_choice(PAGE_VIEW_OMISSION.format(tile=tile, ratio=ps // tile))})"
+        return (f"page size {paging.page_size} not in {{{', '.join(map(str, sorted(pages)))}}} "
+                f"({DECODE_PAGE_REASON})")
 
     return rule
 
@@ -625,7 +640,7 @@ class AiterTritonBackend:
         problems = got.problems
         fp8_note = ("" if amd else " FP8 off ROCm: float8_e4m3fn; an FP8 KV cache is decoded "
                     f"at most {self._fp8_heads()} heads per launch (shared memory).")
-        pages = POW2_PAGES_FROM_16 if amd else NVIDIA_PAGES
+        pages = native_pages()
         fp8_min_page = 0 if amd or interp else NVIDIA_FP8_Q_MIN_PAGE
         if Op.DECODE in ops and self.decode_entry == "mla_decode_fwd":
             pairs = same | ({("bf16", fp8[0])} if fp8 else set())
@@ -633,13 +648,15 @@ class AiterTritonBackend:
                 q_formats=base + fp8, kv_formats=base + fp8, format_pairs=frozenset(pairs),
                 scale_policies=("unit", "amax"),
                 rules=(decode_page_rule(pages),
-                       *((fp8_q_needs_page(fp8_min_page),) if fp8_min_page else ())),
+                       *((fp8_q_needs_page(fp8_min_page, pages),) if fp8_min_page else ())),
                 head_counts=Range(1, 128), q_len=Range(1, None), empty_requests=True,
                 causal=(True,), layouts=DECODE_LAYOUTS, devices=devices,
                 refusal=problems.get(Op.DECODE),
                 reasons={"q_formats": FNUZ_REASON, "kv_formats": FNUZ_REASON,
                          "layouts": DECODE_LAYOUT_REASON},
                 notes="mla_decode_fwd (vLLM block table); page size = tile (tl.dot needs >= 16); "
+                      "a page that whole tiles make up runs as a view with tile-sized pages (the "
+                      "block table expanded); "
                       "one q_len per launch: a mixed batch runs as one launch per run of "
                       "consecutive requests with one q_len, empty requests left out; causal "
                       "bottom-right; LSE from a skip_reduce launch." + fp8_note)
@@ -739,12 +756,21 @@ class AiterTritonBackend:
         mla = got.modules["mla"]
         dev = inp.device
         q = inp.q.stored
-        table = inp.table
+        kv, table = inp.pool.data, inp.table
+        tile = decode_tile(table.page_size, native_pages())
+        view = None
+        if tile is not None and tile != table.page_size:
+            kv, _ = tile_view(kv, tile, tile)
+            table = table.in_pages_of(tile)
+            view = (f"pool {tuple(inp.pool.data.shape)} (page {inp.table.page_size}) handed over "
+                    f"as {tuple(kv.shape)}: {tile}-token pages of the same bytes, the block table "
+                    f"expanded {inp.table.page_size // tile}x (page p -> pages p*"
+                    f"{inp.table.page_size // tile} ..); no copy")
         block_table, seq_lens = table.to_vllm(pad_value=0)
         block_table, seq_lens = block_table.to(dev), seq_lens.to(dev)
         out = inp.out.out
         common: dict[str, Any] = dict(
-            kv_buffer=inp.pool.data, softmax_scale=case.softmax_scale,
+            kv_buffer=kv, softmax_scale=case.softmax_scale,
             kv_lora_rank=case.dims.kv_lora_rank, qk_rope_head_dim=case.dims.qk_rope, causal=True,
             q_descale=_scale_1(inp.q.scale) if _is_fp8(case.quant.q) else None,
             kv_descale=_scale_1(inp.pool.scale) if _is_fp8(case.quant.kv) else None,
@@ -782,6 +808,8 @@ class AiterTritonBackend:
                                 "heads_per_launch": step}
         if len(runs) > 1 or case.has_empty:
             meta["split"] = split_record(runs, len(case.requests))
+        if view:
+            meta["view"] = view
         return Output(out, lse if have_lse else None, metadata=meta, wrote_into_guarded=True)
 
     # -- mla_decode: decode_attention_fwd_grouped_rope
@@ -839,8 +867,7 @@ class AiterTritonBackend:
         cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
         kv, tile = inp.pool.data, table.page_size
         meta: dict[str, Any] = {"aiter_version": got.version}
-        native = POW2_PAGES_FROM_16 if compat.on_rocm() else NVIDIA_PAGES
-        if tile not in native:
+        if tile not in native_pages():
             kv, tile = tile_view(kv, SPARSE_VIEW_TILE, SPARSE_MIN_TILE)
             meta["view"] = (f"pool {tuple(inp.pool.data.shape)} (page {table.page_size}) handed "
                             f"over as {tuple(kv.shape)}: {tile}-token pages of the same bytes "

@@ -219,14 +219,16 @@ def test_capabilities_of_a_loaded_backend(monkeypatch: pytest.MonkeyPatch) -> No
     dec = caps["mla_decode"]
     assert skip_reason(b, DecodeCase(page_size=16), "cuda") is None
     assert "page size 1 not in" in (dec.why_not(DecodeCase(page_size=1), "cuda") or "")
-    assert "page size 256 not in" in (dec.why_not(DecodeCase(page_size=256), "cuda") or "")
-    # 256 = 2 tiles of 128: a view would run it (the adapter's omission); 1 is no tile at all
-    assert "(adapter: a view of the same bytes as 128-token pages" in (
-        dec.why_not(DecodeCase(page_size=256), "cuda") or "")
+    # 256 = 2 tiles of 128, 48 = 3 of 16: run as a view; 1 is no tile at all (a kernel limit)
+    assert dec.why_not(DecodeCase(page_size=256), "cuda") is None
+    assert dec.why_not(DecodeCase(page_size=48), "cuda") is None
     assert "adapter:" not in (dec.why_not(DecodeCase(page_size=1), "cuda") or "adapter:")
     fp8 = Quant("fp8_e4m3fn", "fp8_e4m3fn")
     assert dec.why_not(DecodeCase(quant=fp8, page_size=64), "cuda") is None
+    assert dec.why_not(DecodeCase(quant=fp8, page_size=512), "cuda") is None  # 128-token view
     assert "K >= 32" in (dec.why_not(DecodeCase(quant=fp8, page_size=16), "cuda") or "")
+    assert "page size 48 (run as 16-token pages) with FP8 q" in (
+        dec.why_not(DecodeCase(quant=fp8, page_size=48), "cuda") or "")
     assert dec.why_not(DecodeCase(quant=Quant("bf16", "fp8_e4m3fn")), "cuda") is None
     fnuz = dec.why_not(DecodeCase(quant=Quant("fp8_e4m3fnuz", "fp8_e4m3fnuz")), "cuda")
     assert fnuz is not None and "fp8_e4m3fnuz" in fnuz

@@ -5,6 +5,7 @@ over them, with AITER's loader stubbed (neither triton nor aiter is needed)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 from mlacheck.backends import aiter_triton as at
 from mlacheck.backends.base import Capability
 from mlacheck.harness import RunOptions, run_case
-from mlacheck.spec import Op, PrefillCase, Segment
+from mlacheck.spec import DecodeCase, PrefillCase, Quant, Request, Segment
 from mlacheck.verdict import PASS
 
 
@@ -64,12 +65,15 @@ class FakeVarlenPrefill:
 
 
 class OnCpu(at.AiterTritonBackend):
-    """The adapter as it runs on a GPU, its prefill declared for the CPU the fake runs on."""
+    """The adapter as it runs on a GPU, its ops declared for the CPU the fake kernels run on
+    (AITER called as shipped: no compatibility patches to apply to a fake)."""
+
+    def __init__(self) -> None:
+        super().__init__(compat_layer=False)
 
     def capabilities(self) -> dict[str, Capability]:
-        caps = super().capabilities()
-        caps[Op.PREFILL] = dataclasses.replace(caps[Op.PREFILL], devices=("cpu", "cuda"))
-        return caps
+        return {op: dataclasses.replace(cap, devices=("cpu", "cuda"))
+                for op, cap in super().capabilities().items()}
 
 
 @pytest.fixture
@@ -121,3 +125,96 @@ def test_prefill_without_empty_segments_is_one_launch(fake_prefill: FakeVarlenPr
     assert v.status == PASS, v.reason
     assert [kw["cu_seqlens_k"].tolist() for kw in fake_prefill.launches] == [[0, 8, 6 + 8]]
     assert "split" not in v.implementation
+
+
+# --------------------------------------------------------------------------- mla_decode
+
+
+class FakeMlaDecode:
+    """aiter.ops.triton.attention.mla.mla_decode_fwd over a paged latent pool: the page is the
+    kernel's tile (kv_buffer.shape[1], which must be one sm_90 takes), tokens reached through
+    block_tables; skip_reduce=True returns one segment's base-2 (max, expsum)."""
+
+    def __init__(self) -> None:
+        self.launches: list[dict[str, Any]] = []
+
+    def mla_decode_fwd(self, *, q: torch.Tensor, out: torch.Tensor, kv_buffer: torch.Tensor,
+                       cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
+                       block_tables: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
+                       skip_reduce: bool = False, **kw: Any) -> Any:
+        page = kv_buffer.shape[1]
+        if page not in at.NVIDIA_PAGES:
+            raise RuntimeError(f"block size {page} is no tile this kernel takes")
+        self.launches.append(dict(kv_buffer=kv_buffer, block_tables=block_tables.clone(),
+                                  seqused_k=seqused_k.clone(), skip_reduce=skip_reduce))
+        t, h = q.shape[:2]
+        segm_max = torch.empty(t, h, 1)
+        segm_sum = torch.empty(t, h, 1)
+        cu = cu_seqlens_q.tolist()
+        for b in range(len(cu) - 1):
+            n, length = cu[b + 1] - cu[b], int(seqused_k[b])
+            pos = torch.arange(length)
+            keys = kv_buffer[block_tables[b, pos // page].long(), pos % page, 0].float()  # [L, 576]
+            rows = q[cu[b]:cu[b + 1]].float()
+            logits = torch.einsum("qhd,kd->qhk", rows, keys) * softmax_scale
+            seen = pos[None, :] <= torch.arange(n)[:, None] + (length - n)
+            logits = logits.masked_fill(~seen[:, None, :], float("-inf"))
+            out[cu[b]:cu[b + 1]] = torch.einsum("qhk,kd->qhd", logits.softmax(-1),
+                                                keys[:, :kv_lora_rank]).to(out.dtype)
+            top = logits.amax(-1) * math.log2(math.e)
+            segm_max[cu[b]:cu[b + 1], :, 0] = top
+            segm_sum[cu[b]:cu[b + 1], :, 0] = torch.exp2(logits * math.log2(math.e)
+                                                         - top[..., None]).sum(-1)
+        return (out, segm_max, segm_sum) if skip_reduce else out
+
+
+@pytest.fixture
+def fake_decode(monkeypatch: pytest.MonkeyPatch) -> FakeMlaDecode:
+    fake = FakeMlaDecode()
+    loaded = at.Loaded("e4048607a", modules={"mla": fake})  # type: ignore[dict-item]
+    monkeypatch.setattr(at, "load", lambda: loaded)
+    monkeypatch.setattr(at.compat, "on_rocm", lambda: False)  # sm_90's tiles: 16..128
+    monkeypatch.setattr(at.compat, "interpreting", lambda: False)
+    monkeypatch.setattr(at.compat, "compile_only", lambda: False)
+    return fake
+
+
+@pytest.mark.parametrize(("page", "tile"), [(256, 128), (48, 16)])
+def test_decode_page_of_whole_tiles_runs_as_a_view(fake_decode: FakeMlaDecode, page: int,
+                                                   tile: int) -> None:
+    # 300 tokens: one whole and one partial page of 256 -> 3 pages of 128 (the last partial)
+    case = DecodeCase((Request(1, 300), Request(1, 40), Request(1, 97)), num_heads=4,
+                      page_size=page, quant=Quant("fp16", "fp16"))
+    seen: dict[str, Any] = {}
+    real_run = at.AiterTritonBackend.run
+
+    def run(self: at.AiterTritonBackend, c: Any, inputs: Any) -> Any:
+        seen["pool"], seen["table"] = inputs.pool.data, inputs.table
+        return real_run(self, c, inputs)
+
+    backend = OnCpu()
+    backend.run = run.__get__(backend)  # type: ignore[method-assign]
+    v = run_case(case, backend, RunOptions("cpu"))
+    assert v.status == PASS, v.reason
+    assert len(fake_decode.launches) == 2 and fake_decode.launches[1]["skip_reduce"]
+    pool, table, ratio = seen["pool"], seen["table"], page // tile
+    for launch in fake_decode.launches:
+        kv = launch["kv_buffer"]  # the same bytes, tile-sized pages
+        assert kv.data_ptr() == pool.data_ptr() and tuple(kv.shape) == (
+            pool.shape[0] * ratio, tile, *pool.shape[2:])
+        assert launch["seqused_k"].tolist() == [300, 40, 97]
+        bt = launch["block_tables"]
+        for r in range(3):
+            need = -(-int(table.kv_lens[r]) // tile)
+            want = [int(p) * ratio + i for p in table.pages_of(r) for i in range(ratio)][:need]
+            assert bt[r, :need].tolist() == want
+    assert v.implementation["view"].startswith(
+        f"pool {tuple(pool.shape)} (page {page}) handed over as "
+        f"{(pool.shape[0] * ratio, tile, *pool.shape[2:])}: {tile}-token pages of the same bytes")
+
+
+def test_decode_native_page_is_no_view(fake_decode: FakeMlaDecode) -> None:
+    case = DecodeCase((Request(1, 70),), num_heads=4, page_size=64, quant=Quant("fp16", "fp16"))
+    v = run_case(case, OnCpu(), RunOptions("cpu"))
+    assert v.status == PASS, v.reason
+    assert fake_decode.launches[0]["kv_buffer"].shape[1] == 64 and "view" not in v.implementation

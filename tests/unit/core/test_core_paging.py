@@ -105,6 +105,20 @@ def test_conventions_round_trip(ps: int, kind: str) -> None:
         assert torch.equal(slots % ps, torch.arange(int(lens[r])) % ps)
 
 
+def test_in_pages_of_keeps_every_slot() -> None:
+    """Page p of 16 tokens is pages 4p .. 4p+3 of 4; each request keeps the pages it needs
+    (a request of 0 tokens keeps none)."""
+    t = PageTable(16, torch.tensor([0, 1, 3, 4, 4]), torch.tensor([5, 2, 9, 0]),
+                  torch.tensor([16, 17, 1, 0]))
+    small = t.in_pages_of(4)
+    assert small.page_size == 4 and small.indptr.tolist() == [0, 4, 9, 10, 10]
+    assert small.indices.tolist() == [20, 21, 22, 23, 8, 9, 10, 11, 36, 0]
+    assert all(torch.equal(small.slots_of(r), t.slots_of(r)) for r in range(4))
+    assert t.in_pages_of(16).same_as(t)
+    with pytest.raises(ValueError, match="no whole number"):
+        t.in_pages_of(3)
+
+
 def test_same_as_detects_differences() -> None:
     t, _ = _table(16)
     other = PageTable(16, t.indptr.clone(), t.indices.flip(0), t.kv_lens.clone())

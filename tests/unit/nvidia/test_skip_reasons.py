@@ -41,7 +41,6 @@ ADAPTER_OMISSIONS: dict[tuple[str, str], str] = {
     ("flashinfer-fa3 0.7", Op.SPARSE_PREFILL): "as flashinfer",
     ("flashinfer 0.7", Op.TOPK): "flashinfer.top_k: its JIT build never finished on the H100",
     ("flashinfer-fa3 0.7", Op.TOPK): "as flashinfer",
-    ("aiter-triton", Op.DECODE): "pages that are whole multiples of a usable tile, not viewed",
     ("aiter-triton", Op.SPARSE_PREFILL): "not wired",
     ("aiter-triton", Op.TOPK): "AITER's Triton top-k not wired",
     ("aiter-triton", Op.INDEX_CONVERSION): "not wired",

@@ -84,7 +84,8 @@ def _h100_triton_decode() -> Capability:
     pairs = {(f, f) for f in fmts} | {("bf16", "fp8_e4m3fn")}
     return Capability(q_formats=fmts, kv_formats=fmts, format_pairs=frozenset(pairs),
                       scale_policies=("unit", "amax"), page_sizes=NVIDIA_PAGES,
-                      rules=(fp8_q_needs_page(NVIDIA_FP8_Q_MIN_PAGE),), head_counts=Range(1, 128),
+                      rules=(fp8_q_needs_page(NVIDIA_FP8_Q_MIN_PAGE, NVIDIA_PAGES),),
+                      head_counts=Range(1, 128),
                       uniform_q_len=True, causal=(True,), devices=("cuda",))
 
 
@@ -102,6 +103,22 @@ def test_finding_1_rule_selects_exactly_the_cases_that_failed_on_the_h100() -> N
     matched = {c.id for c in ran if known.lookup("aiter-triton", c)}
     assert matched == FINDING_1_NIGHTLY_IDS
     assert len(ran) - len(matched) == 13
+
+
+def test_finding_1_rule_reads_the_tile_a_large_page_runs_as(monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """A page of whole tiles runs as a view with tile-sized pages (sm_90: 256 -> 128, 48 ->
+    16): the kernel reads the tail of the last *tile*, so 128 tokens in a 256-token page have
+    none; on ROCm 256 is a tile of its own."""
+    from mlacheck.backends import aiter_triton_compat as compat
+
+    def hit(kv: int, page: int) -> bool:
+        return known.lookup("aiter-triton", DecodeCase((Request(1, kv),), page_size=page)) is not None
+
+    monkeypatch.setattr(compat, "on_rocm", lambda: False)
+    assert not hit(128, 256) and hit(300, 256) and not hit(32, 48) and hit(40, 48)
+    monkeypatch.setattr(compat, "on_rocm", lambda: True)
+    assert hit(128, 256) and not hit(256, 256)
 
 
 def test_folded_heads_kv_offset_finding_reproduces_on_the_model() -> None:
