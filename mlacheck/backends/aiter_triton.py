@@ -236,13 +236,22 @@ def native_pages() -> tuple[int, ...]:
     return POW2_PAGES_FROM_16 if compat.on_rocm() else NVIDIA_PAGES
 
 
+# The largest tile a page runs as when it goes in as a view (decode_tile). On the H100 the
+# 128-token tile needed 233472 bytes of shared memory with 24 and 32 heads of 16-bit q, over
+# sm_90's 232448 (Triton OutOfResources at compile: nightly seed 0, dec-b3-kv257-1025-h32-
+# p1024-bf16 and dec-b1-mtp4-kv449-h24-p512-fp16, 2026-11-27); 64-token pages ran every head
+# count of that nightly (8..128).
+DECODE_VIEW_TILE_MAX = 64
+
+
 def decode_tile(page_size: int, pages: tuple[int, ...]) -> int | None:
     """The tile mla_decode_fwd runs a page size with: the page itself when it is one of the
-    kernel's tiles (`pages`), else the largest tile a page is a whole number of (a view of the
-    same bytes with pages that small), else None (no tile fits)."""
+    kernel's tiles (`pages`), else the largest tile up to DECODE_VIEW_TILE_MAX that a page is
+    a whole number of (a view of the same bytes with pages that small), else None."""
     if page_size in pages:
         return page_size
-    return max((t for t in pages if page_size % t == 0), default=None)
+    return max((t for t in pages if page_size % t == 0 and t <= DECODE_VIEW_TILE_MAX),
+               default=None)
 
 
 def fp8_q_needs_page(min_page: int, pages: tuple[int, ...]) -> CaseRule:

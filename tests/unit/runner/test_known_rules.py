@@ -107,7 +107,7 @@ def test_finding_1_rule_selects_exactly_the_cases_that_failed_on_the_h100() -> N
 
 def test_finding_1_rule_reads_the_tile_a_large_page_runs_as(monkeypatch: pytest.MonkeyPatch
                                                              ) -> None:
-    """A page of whole tiles runs as a view with tile-sized pages (sm_90: 256 -> 128, 48 ->
+    """A page of whole tiles runs as a view with tile-sized pages (sm_90: 256 -> 64, 48 ->
     16): the kernel reads the tail of the last *tile*, so 128 tokens in a 256-token page have
     none; on ROCm 256 is a tile of its own."""
     from mlacheck.backends import aiter_triton_compat as compat
