@@ -228,10 +228,13 @@ def with_known_label(v: Verdict, case: Case) -> Verdict:
     """Label a verdict about the kernel (PASS / FAIL / CRASH) with the documented finding
     (mlacheck.known) that matches its backend and case: KNOWN when it fails, XPASS when it
     passes, unless the rule is not strict (a finding whose visibility depends on the draw:
-    a pass there is just a PASS). SKIP and ERROR say nothing about the kernel and are never
+    a pass there is just a PASS), and only a failure of the status the rule documents
+    (KnownFailure.fails_as). SKIP and ERROR say nothing about the kernel and are never
     labelled."""
     rule = known.lookup(v.backend, case) if v.executed else None
-    if rule is not None and (rule.strict or v.kernel_failed):
+    if rule is None or (v.kernel_failed and v.status not in rule.fails_as):
+        return v  # a failure the rule does not describe is not the finding
+    if rule.strict or v.kernel_failed:
         v.known_failure, v.known_rule = rule.finding, rule.name
     return v
 
