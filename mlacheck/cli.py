@@ -36,6 +36,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -165,16 +166,24 @@ def _run_guarded(argv: list[str]) -> int:
             return _main(argv, stage)
         except KeyboardInterrupt:  # before pytest ran, or while the report was written
             return _interrupted(stage)
+        except Exception:  # noqa: BLE001 - mlacheck's bug or a plugin's, never a kernel's
+            # e.g. another plugin's session-end hook that raised before mlacheck's set the
+            # gate's code: the exception left pytest and Python's exit 1 read as a kernel
+            # failure with none on record (a tracing plugin, 4x H200, 2026-11-27)
+            traceback.print_exc()
+            print()  # pytest's progress line may be unfinished: the gate line starts a line
+            return _interrupted(stage, internal=True)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
 
-def _interrupted(stage: dict[str, Any]) -> int:
+def _interrupted(stage: dict[str, Any], internal: bool = False) -> int:
     """The gate of a run a signal ended outside pytest's session (which has its own): from
     what is on record (a failure wins, as in session.outcome), else INCOMPLETE, exit 6. A run
     that recorded nothing yet gets a run header saying what it meant to run, so its results
-    file and report say that nothing ran instead of there being none."""
+    file and report say that nothing ran instead of there being none. `internal`: an
+    exception ended it instead (INTERNAL ERROR, exit 7)."""
     from mlacheck.outcome import gate_lines
     from mlacheck.session import RunRequest, outcome
 
@@ -188,7 +197,8 @@ def _interrupted(stage: dict[str, Any]) -> int:
     request = stage.get("request")
     request = request if isinstance(request, RunRequest) else RunRequest()
     on_record = results if results is not None and results.exists() else []
-    out = outcome(on_record, request, interrupted=True, selection=str(stage.get("selection", "")))
+    out = outcome(on_record, request, interrupted=not internal, internal_error=internal,
+                  selection=str(stage.get("selection", "")))
     decided = stage.get("code")  # the session's gate, when the signal came during the report
     if decided in (EXIT_KERNEL_FAILURE, EXIT_SUITE_ERROR):  # a failure on record wins
         out.code = decided

@@ -674,6 +674,17 @@ def test_an_internal_error_of_the_driver_is_not_a_suite_error(tiny: Path, tmp_pa
     assert gate_outcome(res, ["torch"], CoveragePolicy()).code == outcome.EXIT_SUITE_ERROR
 
 
+def test_a_failed_session_end_before_the_gate_is_an_internal_error(tiny: Path, tmp_path: Path
+                                                                   ) -> None:
+    """Another plugin's session-end hook fails before mlacheck's sets the gate's code: the
+    run is an internal error (7), not pytest's own code (1, a kernel failure where none is on
+    record, or 0 where the gate never looked)."""
+    r = run("run", "-b", "torch", "--matrix", str(tiny), "--results", str(tmp_path / "r.jsonl"),
+            "--no-report", "--", "-p", "broken_session_end")
+    assert r.returncode == outcome.EXIT_INTERNAL_ERROR, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "mlacheck gate: exit 7" in r.stdout
+
+
 def test_append_under_another_spelling_of_a_backend_is_one_item(tiny: Path, tmp_path: Path) -> None:
     """The header keyed items by the backend as requested, the verdicts by its name: a run
     by import path then `--append -b torch` read "INCOMPLETE: 2 of 4" (exit 6)."""
