@@ -483,7 +483,7 @@ def _fp8_row_bounds(eager: torch.Tensor, peak: torch.Tensor, g_out: torch.Tensor
     peak-rounded baseline moves the row from the eager one (relative to the golden row):
     a kernel that rounds the largest weight has room for that rounding where the row
     carries it, not on every row (tolerances.PEAK_ROUNDOFFS)."""
-    e_err = by_rows(row_errors, eager, g_out).masked_fill(g_bad | ~finite_rows(eager), 0.0)
+    e_err = _baseline_row_errors(eager, g_out, g_bad)
     e_worst = float(e_err.max()) if e_err.numel() else 0.0
 
     def allowance(p: torch.Tensor, e: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -586,9 +586,15 @@ def _check_ideal(case: Case, inputs: Inputs, out: torch.Tensor, b_outs: list[tor
     return (localise(inputs, bad, i_err, bound, "quantisation_loss") if bad.any() else []), bad
 
 
+def _baseline_row_errors(b_out: torch.Tensor, g_out: torch.Tensor, g_bad: torch.Tensor
+                         ) -> torch.Tensor:
+    """A baseline's row errors [T, H], 0 where it or the golden is not finite."""
+    return by_rows(row_errors, b_out, g_out).masked_fill(g_bad | ~finite_rows(b_out), 0.0)
+
+
 def _worst_row(b_out: torch.Tensor, g_out: torch.Tensor, g_bad: torch.Tensor) -> float:
     """A baseline's worst row error over the rows where it and the golden are finite."""
-    b_err = by_rows(row_errors, b_out, g_out).masked_fill(g_bad | ~finite_rows(b_out), 0.0)
+    b_err = _baseline_row_errors(b_out, g_out, g_bad)
     return float(b_err.max()) if b_err.numel() else 0.0
 
 
