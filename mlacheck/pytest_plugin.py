@@ -103,8 +103,7 @@ def pytest_configure(config: pytest.Config) -> None:
         info = config.workerinput  # type: ignore[attr-defined]
         if info.get(_LOADGROUP):
             config.option.loadgroup = True
-        _map_worker_to_device(int(re.sub(r"\D", "", str(info.get("workerid", ""))) or 0))
-        _share_cpu_threads(int(info.get("workercount", 1)))
+        _start_worker(info)
         config.pluginmanager.register(_WorkerEnd(), "mla-worker-end")
     state = _State(config)
     config.stash[_STATE] = state
@@ -234,6 +233,25 @@ def _map_worker_to_device(index: int) -> None:
     for var in {"rocm": ("HIP_VISIBLE_DEVICES",), "cuda": ("CUDA_VISIBLE_DEVICES",)}.get(
             platform, ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")):
         os.environ[var] = ids[index % len(ids)]
+
+
+def _start_worker(info: dict[str, Any]) -> None:
+    """In this order: the worker's GPU (its variable set before the device is touched), its
+    CUDA context started in the background on a GPU run (mlacheck.cuda_context), then torch
+    imported for its share of the CPU threads while the context is being made."""
+    _map_worker_to_device(int(re.sub(r"\D", "", str(info.get("workerid", ""))) or 0))
+    if info.get(_GPU_DIR) and _on_cuda():
+        from mlacheck import cuda_context
+
+        cuda_context.start_primary_context()
+    _share_cpu_threads(int(info.get("workercount", 1)))
+
+
+def _on_cuda() -> bool:
+    """NVIDIA's driver is what this machine has (mlacheck.cuda_context is CUDA only)."""
+    from mlacheck.preflight import _machine
+
+    return _machine()[0] == "cuda"
 
 
 def _share_cpu_threads(workers: int) -> None:

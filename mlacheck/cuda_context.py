@@ -1,0 +1,55 @@
+"""A worker's CUDA context, made in the background while the worker imports torch (issue 27).
+
+On a 4-GPU host, 34 xdist workers starting at once each spent 5.6 s importing torch and then
+8.7 s (median, 9.0 s max) making their CUDA context, one after another in the driver
+(~0.27 s each whatever the GPU; 0.46 s for a lone process): `bash .dev/lead/startup.sh`,
+4x H200, 2026-11-27, docs/gpu-results.md. The context made here through the driver API is
+the device's primary context, the one torch's runtime retains at its first CUDA call, so the
+driver's queue is waited in during the import instead of after it. ctypes releases the GIL
+for the call, so the import goes on meanwhile.
+
+CUDA only: libcuda is the driver that torch's runtime loads too. On ROCm a second HIP runtime
+loaded next to torch's bundled one is not safe, so ROCm workers start as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+# Set (to anything): workers make their context at their first CUDA call, as torch does by
+# itself (to measure the difference, or where the driver API misbehaves).
+NO_EARLY_CONTEXT_ENV = "MLACHECK_NO_EARLY_CUDA_CONTEXT"
+
+_DRIVER = "libcuda.so.1"
+_started: list[threading.Thread] = []
+
+
+def start_primary_context() -> threading.Thread | None:
+    """Retain the primary context of this process's first visible GPU in a daemon thread;
+    None where there is no CUDA driver to ask (or the knob is set). Call after the process's
+    CUDA_VISIBLE_DEVICES is final and before torch touches the device. Failure is silent:
+    torch makes the context itself at its first call, as it would have anyway."""
+    if os.environ.get(NO_EARLY_CONTEXT_ENV):
+        return None
+    if _started:
+        return _started[0]
+    try:
+        driver = ctypes.CDLL(_DRIVER)
+    except OSError:
+        return None
+    thread = threading.Thread(target=_retain, args=(driver,), name="mlacheck-cuda-context",
+                              daemon=True)
+    thread.start()
+    _started.append(thread)
+    return thread
+
+
+def _retain(driver: ctypes.CDLL) -> bool:
+    """cuInit, then cuDevicePrimaryCtxRetain on device 0 (the one CUDA_VISIBLE_DEVICES left);
+    the retain is kept for the process's life, as torch keeps its own."""
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    return (driver.cuInit(0) == 0
+            and driver.cuDeviceGet(ctypes.byref(device), 0) == 0
+            and driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0)

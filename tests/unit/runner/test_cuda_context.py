@@ -1,0 +1,92 @@
+"""Issue 27: a worker's CUDA context is made in the background while it imports torch."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import pytest
+
+from mlacheck import cuda_context, pytest_plugin
+
+
+class FakeDriver:
+    """libcuda's three calls, recorded with the thread that made them."""
+
+    def __init__(self, fail_init: bool = False) -> None:
+        self.calls: list[tuple[str, Any, str]] = []
+        self.fail_init = fail_init
+
+    def cuInit(self, flags: int) -> int:  # noqa: N802 (the driver's name)
+        self.calls.append(("cuInit", flags, threading.current_thread().name))
+        return 100 if self.fail_init else 0  # 100: CUDA_ERROR_NO_DEVICE
+
+    def cuDeviceGet(self, device: Any, ordinal: int) -> int:  # noqa: N802
+        self.calls.append(("cuDeviceGet", ordinal, threading.current_thread().name))
+        device._obj.value = 7
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, context: Any, device: Any) -> int:  # noqa: N802
+        self.calls.append(("cuDevicePrimaryCtxRetain", device.value, threading.current_thread().name))
+        return 0
+
+
+@pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
+    fake = FakeDriver()
+    monkeypatch.setattr(cuda_context, "_started", [])
+    monkeypatch.delenv(cuda_context.NO_EARLY_CONTEXT_ENV, raising=False)
+    monkeypatch.setattr(cuda_context.ctypes, "CDLL",
+                        lambda name: fake if name == "libcuda.so.1" else ctypes.CDLL(name))
+    return fake
+
+
+def test_retains_the_first_visible_gpus_primary_context_in_a_daemon_thread(
+        driver: FakeDriver) -> None:
+    thread = cuda_context.start_primary_context()
+    assert thread is not None and thread.daemon
+    thread.join(5)
+    assert [c[:2] for c in driver.calls] == [
+        ("cuInit", 0), ("cuDeviceGet", 0), ("cuDevicePrimaryCtxRetain", 7)]
+    assert {c[2] for c in driver.calls} == {"mlacheck-cuda-context"}  # not the importing thread
+    assert cuda_context.start_primary_context() is thread  # one context per process
+    assert len(driver.calls) == 3
+
+
+def test_a_failing_driver_stops_quietly(monkeypatch: pytest.MonkeyPatch, driver: FakeDriver) -> None:
+    driver.fail_init = True
+    thread = cuda_context.start_primary_context()
+    assert thread is not None
+    thread.join(5)
+    assert [c[0] for c in driver.calls] == ["cuInit"]  # torch makes the context itself later
+
+
+def test_no_driver_or_the_knob_means_no_thread(monkeypatch: pytest.MonkeyPatch,
+                                               driver: FakeDriver) -> None:
+    monkeypatch.setenv(cuda_context.NO_EARLY_CONTEXT_ENV, "1")
+    assert cuda_context.start_primary_context() is None
+    monkeypatch.delenv(cuda_context.NO_EARLY_CONTEXT_ENV)
+
+    def no_driver(name: str) -> Any:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(cuda_context.ctypes, "CDLL", no_driver)
+    assert cuda_context.start_primary_context() is None
+    assert driver.calls == []
+
+
+@pytest.mark.parametrize(("gpu_run", "platform", "context"), [
+    (True, "cuda", True), (False, "cuda", False), (True, "rocm", False)])
+def test_worker_start_order(monkeypatch: pytest.MonkeyPatch, gpu_run: bool, platform: str,
+                            context: bool) -> None:
+    """The GPU variable before the context, the context before torch's import; on a CPU run
+    or on ROCm no context is made early."""
+    order: list[str] = []
+    monkeypatch.setattr(pytest_plugin, "_map_worker_to_device", lambda i: order.append(f"gpu {i}"))
+    monkeypatch.setattr(cuda_context, "start_primary_context", lambda: order.append("context"))
+    monkeypatch.setattr(pytest_plugin, "_share_cpu_threads", lambda n: order.append(f"torch {n}"))
+    monkeypatch.setattr("mlacheck.preflight._machine", lambda: (platform, 4))
+    info = {"workerid": "gw5", "workercount": 8, **({pytest_plugin._GPU_DIR: "/tmp/g"} if gpu_run else {})}
+    pytest_plugin._start_worker(info)
+    assert order == ["gpu 5", *(["context"] if context else []), "torch 8"]
