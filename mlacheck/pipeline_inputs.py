@@ -28,13 +28,16 @@ from mlacheck.inputs import (
     quantise,
     sparse_indices,
 )
-from mlacheck.kvcache import Guarded, PageTable
+from mlacheck.kvcache import Guarded, KVPool, PageTable
 from mlacheck.ops import Op
 from mlacheck.spec import (
     IndexConversionCase,
     IndexerCase,
     PagedIndexerCase,
+    Placement,
     Quant,
+    Request,
+    SparseDecodeCase,
     SparsePipelineCase,
     SparsePrefillCase,
     TopkCase,
@@ -384,6 +387,24 @@ class SparsePrefillInputs:
     def empty_rows(self) -> torch.Tensor:
         """[T] rows with no valid index (output 0, LSE -inf)."""
         return (self.indices[:, 0] < 0).all(dim=1)
+
+    def as_sparse_decode(self) -> tuple[SparseDecodeCase, DecodeInputs]:
+        """These tensors as one sparse-decode request holding every query token over the flat
+        latent KV viewed as a page-size-1 pool (page p = row p, so the indices are at once its
+        positions and its global slots): how vLLM's ROCm V3.2 backend runs prefill tokens
+        through a sparse decode kernel. Nothing is copied; the output buffer is this one."""
+        case, kv = self.case, self.kv
+        t, n = case.total_q, case.total_kv
+        twin = SparseDecodeCase(
+            requests=(Request(t, n),), topk=case.topk, num_heads=case.num_heads, page_size=1,
+            quant=case.quant, placement=Placement("packed", spare_pages=0), dims=case.dims,
+            seed=case.seed)
+        table = PageTable(1, torch.tensor([0, n]), torch.arange(n), torch.tensor([n]))
+        pool = KVPool(kv.stored.view(n, 1, 1, -1), kv.fmt, kv.scale, table)
+        return twin, DecodeInputs(
+            case=twin, q=self.q, kv=[kv], pool=pool,
+            qo_indptr=torch.tensor([0, t], dtype=torch.int32, device=self.device),
+            out=self.out, topk_indices=self.indices[:, 0])
 
 
 def lonely_rows(total: int, n: int) -> list[int]:

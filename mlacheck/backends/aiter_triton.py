@@ -13,6 +13,9 @@ check of the installed function:
 | paged_prefill | `extend_attention.extend_attention_fwd` (SGLang's extend: q/k 192, v 128) |
 | mla_decode (`aiter-triton-rope`) | `mla_decode_rope.decode_attention_fwd_grouped_rope` |
 | mqa_logits, paged_mqa_logits | the V3.2 indexer: `fp8_mqa_logits`, `pa_mqa_logits` (aiter_triton_indexer) |
+| mla_sparse_prefill | `unified_attention_sparse_mla` (the sparse decode's kernel: every token one request over the flat KV) |
+| topk_indices | `aiter.ops.triton.topk.topk` (picks past a row's finite logits -> -1) |
+| sparse_pipeline | `pa_mqa_logits` -> `topk` -> the adapter's slot conversion -> `unified_attention_sparse_mla` |
 
 How cases the kernels cannot take in one launch still run (the verdict's `implementation`
 says which): `mla_decode_fwd` takes one q_len per launch, so a batch mixing q_len runs as one
@@ -69,6 +72,7 @@ from mlacheck.backends.toolkit import (  # topk_to_global_slots: re-exported (te
 )
 from mlacheck.fp8 import format_of
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs, cu_seqlens
+from mlacheck.pipeline_inputs import PipelineInputs, SparsePrefillInputs, TopkInputs
 from mlacheck.spec import Case, Op
 
 # --------------------------------------------------------------------------- AITER modules
@@ -81,6 +85,7 @@ MOD_SPARSE = "aiter.ops.triton.attention.unified_attention_sparse_mla"
 MOD_ROPE = "aiter.ops.triton.attention.mla_decode_rope"
 MOD_EXTEND = "aiter.ops.triton.attention.extend_attention"
 MOD_TYPES = "aiter.ops.triton.utils.types"
+MOD_TOPK = "aiter.ops.triton.topk"
 
 # Files (relative to the aiter package) each op needs: checked before anything is imported.
 OP_FILES: dict[str, tuple[str, ...]] = {
@@ -90,6 +95,7 @@ OP_FILES: dict[str, tuple[str, ...]] = {
     Op.SPARSE_DECODE: ("ops/triton/attention/unified_attention_sparse_mla.py",),
     "mla_decode_rope": ("ops/triton/attention/mla_decode_rope.py",),
     Op.PAGED_PREFILL: ("ops/triton/attention/extend_attention.py",),
+    Op.TOPK: ("ops/triton/topk.py",),
 }
 
 # The keyword parameters passed to each installed entry point (checked with inspect.signature:
@@ -125,6 +131,7 @@ CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
         "kv_indptr", "kv_indices", "custom_mask", "is_causal", "mask_indptr", "max_len_extend",
         "sm_scale", "logit_cap", "config",
     ),
+    "topk.topk": ("x", "k", "tiny_row_thresh"),
 }
 
 # Environment knob: heads per mla_decode_fwd launch when the KV cache is FP8, off ROCm.
@@ -203,17 +210,23 @@ SPARSE_REASONS = {
     "layouts": "KV is read as token rows [seq_len_kv, 1, 576] through its strides "
                "(attention/unified_attention_sparse_mla.py:25, :77-80)",
 }
-# The sparse-path ops AITER has Triton kernels for that this adapter does not call (issue 32's
-# adapter omissions; paths as in AITER e4048607a5, their sm_90 fitness not read).
+# topk_indices: aiter.ops.triton.topk.topk (topk.py:170), the k largest of each row of a 2-D
+# tensor with their int64 indices, largest first. mlacheck's rows are -inf outside their window,
+# so a row's top k are its window's; where a row sees fewer than k, the picks past its finite
+# logits carry AITER's fill value finfo(float32).min (a masked lane or a slot already taken:
+# topk.py:55, :102; _triton_kernels/topk.py:77, :91) or the row's own -inf: those become -1.
+# Rows of at most tiny_row_thresh columns go to one_stage_topk, which raises for k > 1024
+# ("row length too large for this kernel (<=1024)": BLOCK = max(128, k), topk.py:27-41); the
+# adapter then passes tiny_row_thresh=0, AITER's own two-stage path (chunks of next_pow2(k)
+# columns when k exceeds the chunk, topk.py:71-77).
+TOPK_TINY_ROW = 1024  # topk.py:137 MAX_TINY_ROW: the one-stage kernel's largest block
+TOPK_FILL = torch.finfo(torch.float32).min  # AITER's FILL_VALUE for a descending top-k
+# index_conversion: what AITER e4048607a5 has for it (read in its Triton tree, aiter/ops/triton).
 NOT_WIRED = {
-    Op.SPARSE_PREFILL: adapter_choice(
-        "not wired: unified_attention_sparse_mla takes per-token top-k over q_len > 1 "
-        "(attention/unified_attention_sparse_mla.py:6-36) but returns no LSE / max_logits"),
-    Op.TOPK: adapter_choice("not wired: AITER's Triton top-k (topk.py:170)"),
-    Op.INDEX_CONVERSION: adapter_choice("not wired (no standalone AITER kernel was looked for)"),
-    Op.SPARSE_PIPELINE: adapter_choice(
-        "not wired: its stages exist (attention/pa_mqa_logits.py, topk.py, "
-        "attention/unified_attention_sparse_mla.py)"),
+    Op.INDEX_CONVERSION: adapter_choice(
+        "not wired: AITER's conversion kernels (_compute_topk_lens_kernel, "
+        "_pack_global_topk_ragged_kernel, _triton_kernels/attention/sparse_attention_dsv4.py:"
+        "64-129) have no AITER entry point at this commit"),
 }
 EXTEND_NO_FP8 = ("extend_attention_fwd takes no scales: no FP8 (its parameters, "
                  "attention/extend_attention.py:34-52)")
@@ -296,11 +309,13 @@ def sparse_pool_covers_a_tile(case: Case) -> str | None:
 
 
 def sparse_rows_nonempty(case: Case) -> str | None:
-    """AITER's sparse kernel gives NaN for a row whose top-k indices are all -1."""
-    if case.valid_cap == 0:
+    """AITER's sparse kernel gives NaN for a row whose top-k indices are all -1 (a sparse
+    decode capped at 0 valid indices, a sparse prefill with rows given none)."""
+    if case.valid_cap == 0 or getattr(case, "empty_rows", 0):
         return ("rows with no valid top-k index (AITER: output NaN when all topk indices are -1; "
                 "its TODO 'Tests fail when all topk indices are all -1', "
-                "_triton_kernels/attention/unified_attention_sparse_mla.py:77-79)")
+                "_triton_kernels/attention/unified_attention_sparse_mla.py:77-79; L starts at 1.0 and "
+                "becomes 0 on a row that never sees a key, then 1.0 / L, :147, :216-219, :240)")
     return None
 
 
@@ -568,6 +583,7 @@ def load() -> Loaded | str:
     _import_op(Op.SPARSE_DECODE, loaded, {"sparse": MOD_SPARSE})
     _import_op("mla_decode_rope", loaded, {"rope": MOD_ROPE})
     _import_op(Op.PAGED_PREFILL, loaded, {"extend": MOD_EXTEND})
+    _import_op(Op.TOPK, loaded, {"topk": MOD_TOPK})
     root = _aiter_dir()
     assert root is not None
     aiter_triton_indexer.load_into(loaded, root)  # the V3.2 indexer (mqa_logits, paged)
@@ -583,6 +599,7 @@ def load() -> Loaded | str:
         "mla_decode_rope": ("rope", "decode_attention_fwd_grouped_rope",
                             "mla_decode_rope.decode_attention_fwd_grouped_rope"),
         Op.PAGED_PREFILL: ("extend", "extend_attention_fwd", "extend_attention.extend_attention_fwd"),
+        Op.TOPK: ("topk", "topk", "topk.topk"),
     }
     for op, (mod, attr, key) in entries.items():
         if op in loaded.problems:
@@ -714,8 +731,46 @@ class AiterTritonBackend:
         if Op.MQA_LOGITS in ops:  # the V3.2 indexer: GPU only (fp8 is not interpreted here)
             gpu = ("cuda",) if torch.cuda.is_available() or compat.compile_only() else ()
             caps.update(aiter_triton_indexer.capabilities(problems, gpu, self._fp8_format(got)))
-            caps.update({op: Capability(refusal=why) for op, why in NOT_WIRED.items()})
+            caps.update(self._sparse_path_capabilities(caps, problems, gpu))
         return caps
+
+    @staticmethod
+    def _sparse_path_capabilities(caps: dict[str, Capability], problems: dict[str, str],
+                                  gpu: tuple[str, ...]) -> dict[str, Capability]:
+        """The V3.2 sparse path past the indexer logits: the top-k (GPU), the sparse prefill
+        (the sparse decode kernel over the flat KV), the composed path (its stages' limits;
+        GPU, as its indexer stage)."""
+        sparse = caps[Op.SPARSE_DECODE]
+        stages = ((Op.PAGED_MQA_LOGITS, "indexer_case"), (Op.SPARSE_DECODE, "attention_case"))
+
+        def pipeline_stages(case: Case) -> str | None:
+            for op, sub in stages:  # the stages' case limits (the devices are the path's)
+                why = replace(caps[op], devices=("cuda",)).why_not(getattr(case, sub)(), "cuda")
+                if why:
+                    return f"{op} stage: {why}"
+            return None
+
+        refusal = next((problems[op] for op in (Op.PAGED_MQA_LOGITS, Op.TOPK, Op.SPARSE_DECODE)
+                        if op in problems), None)
+        return {
+            Op.TOPK: Capability(
+                empty_requests=True, devices=gpu, refusal=problems.get(Op.TOPK),
+                notes="aiter.ops.triton.topk.topk over each row as handed (-inf outside its "
+                      "window): picks past a row's finite logits -> -1; prefill positions "
+                      "made relative to the window start; k > 1024 on rows of <= 1024 columns "
+                      "through AITER's two-stage path (tiny_row_thresh=0)"),
+            Op.SPARSE_PREFILL: replace(
+                sparse, notes="unified_attention_sparse_mla (the sparse decode's kernel: per-token top-k "
+                      "rows, no causal mask of its own): every query token as one request over "
+                      f"the flat latent KV viewed as {SPARSE_VIEW_TILE}-token pages of the same "
+                      "bytes, the indices as its global slots; no LSE, no max_logits; rows "
+                      "without a valid index refused (NaN)"),
+            Op.SPARSE_PIPELINE: Capability(
+                devices=gpu, refusal=refusal, rules=(pipeline_stages,),
+                notes="deepgemm_fp8_paged_mqa_logits -> topk.topk -> the adapter's positions -> "
+                      "slots conversion (as for mla_sparse_decode) -> unified_attention_sparse_mla"),
+            **{op: Capability(refusal=why) for op, why in NOT_WIRED.items()},
+        }
 
     def run(self, case: Case, inputs: Inputs) -> Output:
         got = load()
@@ -725,6 +780,8 @@ class AiterTritonBackend:
         indexer = functools.partial(self._indexer, case)  # the V3.2 indexer's two ops
         op_run = {Op.PREFILL: self._prefill, Op.PAGED_PREFILL: self._paged_prefill,
                   Op.DECODE: decode, Op.SPARSE_DECODE: self._sparse,
+                  Op.SPARSE_PREFILL: self._sparse_prefill, Op.TOPK: self._topk,
+                  Op.SPARSE_PIPELINE: self._pipeline,
                   **dict.fromkeys(aiter_triton_indexer.ENTRIES, indexer)}[case.op]
         with torch.no_grad():
             return op_run(got, inputs)  # type: ignore[operator]
@@ -740,7 +797,9 @@ class AiterTritonBackend:
             return {Op.DECODE: "mla_decode_rope"}
         return {Op.DECODE: Op.DECODE, Op.PREFILL: Op.PREFILL,
                 Op.SPARSE_DECODE: Op.SPARSE_DECODE, Op.PAGED_PREFILL: Op.PAGED_PREFILL,
-                Op.MQA_LOGITS: Op.MQA_LOGITS, Op.PAGED_MQA_LOGITS: Op.PAGED_MQA_LOGITS}
+                Op.MQA_LOGITS: Op.MQA_LOGITS, Op.PAGED_MQA_LOGITS: Op.PAGED_MQA_LOGITS,
+                Op.TOPK: Op.TOPK, Op.SPARSE_PREFILL: Op.SPARSE_DECODE,  # the same kernel
+                Op.SPARSE_PIPELINE: Op.PAGED_MQA_LOGITS}  # its first stage
 
     @staticmethod
     def _fp8_format(got: Loaded) -> str:
@@ -893,6 +952,67 @@ class AiterTritonBackend:
             kv_lora_rank=case.dims.kv_lora_rank,
         )
         return Output(out, None, metadata=meta, wrote_into_guarded=True)
+
+    # -- mla_sparse_prefill: the sparse decode's kernel over the flat latent KV
+    def _sparse_prefill(self, got: Loaded, inp: SparsePrefillInputs) -> Output:
+        twin, twin_inputs = inp.as_sparse_decode()
+        res = self._sparse(got, twin_inputs)
+        res.metadata["sparse_prefill"] = (
+            f"unified_attention_sparse_mla over the {inp.case.total_q} query tokens as one "
+            f"request; the flat latent KV {tuple(inp.kv.stored.shape)} as a page-size-1 pool "
+            "(its rows are the global slots the indices name), handed over as in "
+            "mla_sparse_decode (view)")
+        return res
+
+    # -- topk_indices: aiter.ops.triton.topk.topk
+    def _topk(self, got: Loaded, inp: TopkInputs) -> Output:
+        self._require(got, Op.TOPK)
+        starts = inp.k_start if inp.case.form == "prefill" else None
+        picked, how = self._topk_rows(got, inp.logits, inp.case.topk, starts)
+        out = inp.out.out
+        out.copy_(picked)
+        return Output(out, metadata={"aiter_version": got.version, "topk": how},
+                      wrote_into_guarded=True)
+
+    @staticmethod
+    def _topk_rows(got: Loaded, logits: torch.Tensor, k: int,
+                   starts: torch.Tensor | None) -> tuple[torch.Tensor, str]:
+        """AITER's top-k of each FP32 row [R, W] (-inf outside its window) as mlacheck's
+        selection [R, k] int32: picks past the row's finite logits -1 (TOPK_FILL), positions
+        relative to `starts` when given (the prefill form's batch-wide rows)."""
+        width = logits.shape[1]
+        two_stage = width <= TOPK_TINY_ROW < k  # one_stage_topk raises for k > 1024
+        values, idx = got.modules["topk"].topk(
+            x=logits, k=k, tiny_row_thresh=0 if two_stage else TOPK_TINY_ROW)
+        real = values > TOPK_FILL
+        if starts is not None:
+            idx = idx - starts.to(idx.device, idx.dtype)[:, None]
+        picked = torch.where(real, idx, torch.full_like(idx, -1)).to(torch.int32)
+        how = (f"topk.topk(k={k}) over rows of {width}"
+               + (", two-stage (tiny_row_thresh=0: one_stage_topk takes k <= 1024)"
+                  if two_stage else "")
+               + "; picks past a row's finite logits -> -1"
+               + ("; positions relative to each row's window start" if starts is not None
+                  else ""))
+        return picked, how
+
+    # -- sparse_pipeline: paged logits -> top-k -> slots -> sparse decode
+    def _pipeline(self, got: Loaded, inp: PipelineInputs) -> Output:
+        for op in (Op.PAGED_MQA_LOGITS, Op.TOPK):
+            self._require(got, op)
+        case, idx = inp.case, inp.indexer
+        logits = torch.empty((idx.query.q.shape[0], idx.width), dtype=torch.float32,
+                             device=inp.device)
+        meta = aiter_triton_indexer.paged_logits(got, case.indexer_case(), idx, logits)
+        local, how = self._topk_rows(got, logits, case.topk, None)
+        twin = inp.attention_with(local)
+        res = self._sparse(got, twin)
+        res.extra["slots"] = topk_to_global_slots(local, twin.qo_indptr, twin.table)
+        res.metadata.update(meta, topk=how, pipeline=(
+            "deepgemm_fp8_paged_mqa_logits -> topk.topk -> the adapter's positions -> slots "
+            "conversion (topk_to_global_slots, as for mla_sparse_decode) -> "
+            "unified_attention_sparse_mla"))
+        return res
 
     # -- paged_prefill: extend_attention_fwd
     def _paged_prefill(self, got: Loaded, inp: PrefillInputs) -> Output:

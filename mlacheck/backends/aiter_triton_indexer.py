@@ -204,25 +204,36 @@ def _patches(loaded: Any, op: str) -> compat.RuntimePatches:
 
 
 def run(loaded: Any, case: Case, inputs: Any) -> Output:
-    mod = loaded.modules[case.op]
     out = inputs.out.out
+    if case.op == Op.PAGED_MQA_LOGITS:
+        return Output(out, metadata=paged_logits(loaded, case, inputs, out),
+                      wrote_into_guarded=True)
     patches = _patches(loaded, case.op)
-    meta: dict[str, Any] = {"aiter_triton": {"patches": patches.describe(),
-                                             "notes": list(loaded.notes)}}
     with patches:
-        if case.op == Op.MQA_LOGITS:
-            q = inputs.query
-            logits = mod.fp8_mqa_logits(Q=q.q, KV=inputs.keys.values, kv_scales=inputs.keys.scales,
-                                        weights=q.weights, cu_starts=inputs.k_start,
-                                        cu_ends=inputs.k_end, clean_logits=True)
-            out.copy_(logits)
-        else:
-            b, nn = len(case.requests), case.next_n  # type: ignore[union-attr]
-            out.fill_(float("-inf"))  # the kernel writes only the chunks covering each context
-            mod.deepgemm_fp8_paged_mqa_logits(
-                q_fp8=inputs.query.q.view(b, nn, case.num_heads, case.head_dim),  # type: ignore[union-attr]
-                kv_cache=inputs.pool.data, weights=inputs.query.weights, out_logits=out,
-                context_lens=inputs.context_lens, kv_indices=inputs.block_table,
-                max_model_len=out.shape[1], Preshuffle=False,
-                KVBlockSize=inputs.pool.page_size, ChunkK=CHUNK_K)
-    return Output(out, metadata=meta, wrote_into_guarded=True)
+        q = inputs.query
+        logits = loaded.modules[case.op].fp8_mqa_logits(
+            Q=q.q, KV=inputs.keys.values, kv_scales=inputs.keys.scales, weights=q.weights,
+            cu_starts=inputs.k_start, cu_ends=inputs.k_end, clean_logits=True)
+        out.copy_(logits)
+    return Output(out, metadata=_metadata(loaded, patches), wrote_into_guarded=True)
+
+
+def paged_logits(loaded: Any, case: Case, inputs: Any, out: torch.Tensor) -> dict[str, Any]:
+    """deepgemm_fp8_paged_mqa_logits into `out` [B * next_n, W] (filled with -inf first: the
+    kernel writes only the chunks covering each context); returns the verdict's metadata."""
+    op = Op.PAGED_MQA_LOGITS
+    patches = _patches(loaded, op)
+    b, nn = len(case.requests), case.next_n  # type: ignore[union-attr]
+    out.fill_(float("-inf"))
+    with patches:
+        loaded.modules[op].deepgemm_fp8_paged_mqa_logits(
+            q_fp8=inputs.query.q.view(b, nn, case.num_heads, case.head_dim),  # type: ignore[union-attr]
+            kv_cache=inputs.pool.data, weights=inputs.query.weights, out_logits=out,
+            context_lens=inputs.context_lens, kv_indices=inputs.block_table,
+            max_model_len=out.shape[1], Preshuffle=False,
+            KVBlockSize=inputs.pool.page_size, ChunkK=CHUNK_K)
+    return _metadata(loaded, patches)
+
+
+def _metadata(loaded: Any, patches: compat.RuntimePatches) -> dict[str, Any]:
+    return {"aiter_triton": {"patches": patches.describe(), "notes": list(loaded.notes)}}

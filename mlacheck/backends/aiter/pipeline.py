@@ -23,10 +23,9 @@ import torch
 from mlacheck.backends.aiter.api import FP8_MQA_LOGITS, PAGED_MQA_LOGITS, AdapterError, AiterApi
 from mlacheck.backends.aiter.capability import ASM_FORMATS, MAX_DECODE_HEADS
 from mlacheck.backends.base import Capability, Output, Range, adapter_choice
-from mlacheck.inputs import DecodeInputs
-from mlacheck.kvcache import KVPool, PageTable
+from mlacheck.kvcache import PageTable
 from mlacheck.ops import Op
-from mlacheck.spec import Case, Placement, Request, SparseDecodeCase
+from mlacheck.spec import Case
 
 if TYPE_CHECKING:
     from mlacheck.backends.aiter.adapter import AiterAdapter
@@ -240,19 +239,7 @@ def _conversion(adapter: AiterAdapter, api: AiterApi, case: Case, inputs: Any) -
 def _sparse_prefill(adapter: AiterAdapter, api: AiterApi, case: Case, inputs: Any) -> Output:
     """One pseudo-request holding every token over the flat latent KV as a page-size-1
     pool: the indices are then its request-local positions (and global slots)."""
-    t, n = case.total_q, case.total_kv  # type: ignore[union-attr]
-    twin = SparseDecodeCase(
-        requests=(Request(t, n),), topk=case.topk, num_heads=case.num_heads,  # type: ignore[union-attr]
-        page_size=1, quant=case.quant, placement=Placement("packed", spare_pages=0),
-        dims=case.dims, seed=case.seed)  # type: ignore[union-attr]
-    kv = inputs.kv
-    table = PageTable(1, torch.tensor([0, n]), torch.arange(n), torch.tensor([n]))
-    pool = KVPool(kv.stored.view(n, 1, 1, -1), kv.fmt, kv.scale, table)
-    dev = inputs.device
-    twin_inputs = DecodeInputs(
-        case=twin, q=inputs.q, kv=[kv], pool=pool,
-        qo_indptr=torch.tensor([0, t], dtype=torch.int32, device=dev), out=inputs.out,
-        topk_indices=inputs.indices[:, 0])
+    twin, twin_inputs = inputs.as_sparse_decode()
     res = adapter._decode(api, twin, twin_inputs)
     res.metadata["sparse_prefill"] = "run as sparse decode pseudo-batches (page-size-1 view)"
     return res

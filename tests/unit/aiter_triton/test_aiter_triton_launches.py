@@ -219,3 +219,210 @@ def test_decode_native_page_is_no_view(fake_decode: FakeMlaDecode) -> None:
     v = run_case(case, OnCpu(), RunOptions("cpu"))
     assert v.status == PASS, v.reason
     assert fake_decode.launches[0]["kv_buffer"].shape[1] == 64 and "view" not in v.implementation
+
+
+# --------------------------------------------------------------------------- the V3.2 sparse path
+
+
+class FakeSparseMla:
+    """unified_attention_sparse_mla (attention/unified_attention_sparse_mla.py:6-95, AITER
+    e4048607a5): per query token its own row of global slots, slot s read at (s // BLOCK,
+    s % BLOCK) of kv [blocks, BLOCK, 1, 576] through kv's strides (BLOCK = kv.shape[1], the
+    kernel's tile; never the block table, no causal mask of its own); heads in programs of
+    BLOCK_M = 16 (heads past a multiple of 16 never written); a row whose slots are all -1 is
+    NaN (L = 0, then 1.0 / L). `bug`: "minus1-as-slot-0" reads -1 as slot 0."""
+
+    def __init__(self, bug: str = "") -> None:
+        self.bug = bug
+        self.launches: list[dict[str, Any]] = []
+
+    def unified_attention_sparse_mla(self, *, q: torch.Tensor, kv: torch.Tensor,
+                                     out: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                     max_seqlen_q: int, seqused_k: torch.Tensor,
+                                     max_seqlen_k: int, softmax_scale: float,
+                                     topk_indices: torch.Tensor, block_table: torch.Tensor,
+                                     kv_lora_rank: int) -> None:
+        assert kv.dim() == 4 and kv.shape[1] in at.NVIDIA_PAGES, tuple(kv.shape)
+        assert topk_indices.dtype == torch.int32 and topk_indices.is_contiguous()
+        self.launches.append(dict(kv=kv, topk=topk_indices.clone(), cu=cu_seqlens_q.tolist(),
+                                  max_seqlen_q=max_seqlen_q))
+        # every token slot of kv's storage from its first block on, as the kernel's strides
+        # reach them (the last partial tile of a view included)
+        tokens = (kv.untyped_storage().nbytes() // kv.element_size()
+                  - kv.storage_offset()) // kv.stride(1)
+        flat = kv.as_strided((tokens, kv.shape[3]), (kv.stride(1), kv.stride(3)))
+        heads = q.shape[1] // 16 * 16
+        for t in range(int(cu_seqlens_q[-1])):
+            slots = topk_indices[t].long()
+            valid = slots != -1
+            if self.bug == "minus1-as-slot-0":
+                slots, valid = slots.clamp(min=0), torch.ones_like(valid)
+            if not bool(valid.any()):
+                out[t, :heads] = float("nan")
+                continue
+            keys = flat[slots[valid]].float()
+            logits = torch.einsum("hd,kd->hk", q[t, :heads].float(), keys) * softmax_scale
+            out[t, :heads] = (logits.softmax(-1) @ keys[:, :kv_lora_rank]).to(out.dtype)
+
+
+FILL = torch.finfo(torch.float32).min
+
+
+def _iterative_topk(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """AITER's selection loop (_triton_kernels/topk.py:80-91, :132-158): k times the row's
+    max at its lowest index, that slot then overwritten with FILL."""
+    vals = rows.clone()
+    cols = torch.arange(vals.shape[1]).expand_as(vals)
+    out_v = torch.empty(vals.shape[0], k)
+    out_i = torch.empty(vals.shape[0], k, dtype=torch.int64)
+    for j in range(k):
+        top = vals.max(1).values
+        arg = torch.where(vals == top[:, None], cols, vals.shape[1]).min(1).values
+        out_v[:, j], out_i[:, j] = top, arg
+        vals.scatter_(1, arg[:, None], FILL)
+    return out_v, out_i
+
+
+class FakeTopk:
+    """aiter.ops.triton.topk.topk (topk.py:170): 2-D rows; rows of at most tiny_row_thresh
+    columns through one_stage_topk (BLOCK = max(128, k) doubled up to the row, raising past
+    1024, :27-41), longer ones through the two stages (chunks of 256 / 1024 columns, or
+    next_pow2(k) when k is larger; each chunk's k picks, then a descending sort, :63-133).
+    Masked lanes and taken slots hold FILL (finfo(float32).min)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def topk(self, x: torch.Tensor, k: int, *, dim: int = -1, largest: bool = True,
+             sorted: bool = True, tiny_row_thresh: int = 1024  # noqa: A002
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert x.dim() == 2 and largest and sorted and dim == -1 and x.dtype == torch.float32
+        rows, m = x.shape
+        self.calls.append(dict(k=k, width=m, tiny_row_thresh=tiny_row_thresh))
+        if m <= tiny_row_thresh:
+            block = max(128, k)
+            while block < m and block < 1024:
+                block <<= 1
+            if m > block or block > 1024:
+                raise ValueError("row length too large for this kernel (<=1024)")
+            padded = torch.full((rows, block), FILL)
+            padded[:, :m] = x.float()
+            return _iterative_topk(padded, k)
+        chunk = 256 if m < 1024 else 1024
+        chunk = 1 << (k - 1).bit_length() if chunk < k else chunk
+        n = -(-m // chunk)
+        padded = torch.full((rows, n * chunk), FILL)
+        padded[:, :m] = x.float()
+        v, i = _iterative_topk(padded.view(rows * n, chunk), k)
+        i = i + (torch.arange(rows * n) % n * chunk)[:, None]
+        v, i = v.view(rows, n * k), i.view(rows, n * k)
+        order = torch.argsort(v, dim=1, descending=True, stable=True)[:, :k]
+        return v.gather(1, order), i.gather(1, order)
+
+
+@pytest.fixture
+def fake_sparse_path(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """The sparse kernel, the top-k and (mlacheck's model of) AITER's paged indexer logits;
+    sm_90's tiles (the compatibility layer off: nothing to patch on fakes)."""
+    from mlacheck.backends.aiter_model.ops.triton.attention import pa_mqa_logits
+    from mlacheck.ops import Op
+
+    fakes = SimpleNamespace(sparse=FakeSparseMla(), topk=FakeTopk())
+    logits = SimpleNamespace(deepgemm_fp8_paged_mqa_logits=pa_mqa_logits.deepgemm_fp8_paged_mqa_logits,
+                             _deepgemm_fp8_paged_mqa_logits=object())
+    loaded = at.Loaded("e4048607a", modules={"sparse": fakes.sparse, "topk": fakes.topk,  # type: ignore[dict-item]
+                                             Op.PAGED_MQA_LOGITS: logits})
+    monkeypatch.setattr(at, "load", lambda: loaded)
+    monkeypatch.setattr(at.compat, "on_rocm", lambda: False)
+    monkeypatch.setattr(at.compat, "interpreting", lambda: False)
+    monkeypatch.setattr(at.compat, "compile_only", lambda: False)
+    monkeypatch.setenv("MLACHECK_AITER_MODEL_GFX", "gfx950")  # the model's FP8: e4m3fn
+    return fakes
+
+
+def _with_inputs(backend: at.AiterTritonBackend, seen: dict[str, Any]) -> at.AiterTritonBackend:
+    real_run = at.AiterTritonBackend.run
+
+    def run(self: at.AiterTritonBackend, c: Any, inputs: Any) -> Any:
+        seen["inputs"] = inputs
+        return real_run(self, c, inputs)
+
+    backend.run = run.__get__(backend)  # type: ignore[method-assign]
+    return backend
+
+
+def test_sparse_prefill_runs_the_sparse_kernel_over_a_view_of_the_flat_kv(
+        fake_sparse_path: SimpleNamespace) -> None:
+    from mlacheck.spec import SparsePrefillCase
+
+    case = SparsePrefillCase((Segment(24, 224), Segment(8, 8)), topk=128, num_heads=16)
+    seen: dict[str, Any] = {}
+    v = run_case(case, _with_inputs(OnCpu(), seen), RunOptions("cpu"))
+    assert v.status == PASS, v.reason
+    (launch,) = fake_sparse_path.sparse.launches
+    kv, flat = launch["kv"], seen["inputs"].kv.stored  # [N, 1, 576]
+    n = flat.shape[0]
+    assert kv.data_ptr() == flat.data_ptr() and tuple(kv.shape) == (n // 64, 64, 1, 576)
+    assert torch.equal(launch["topk"], seen["inputs"].indices[:, 0])  # rows = global slots
+    assert launch["cu"] == [0, 32] and launch["max_seqlen_q"] == 32
+    assert v.implementation["sparse_prefill"].startswith("unified_attention_sparse_mla over the "
+                                                         "32 query tokens as one request")
+    assert v.implementation["view"].startswith(f"pool ({n}, 1, 1, 576) (page 1) handed over as "
+                                               f"({n // 64}, 64, 1, 576)")
+
+
+def test_sparse_prefill_check_bites_and_rows_without_an_index_are_the_kernels_limit(
+        fake_sparse_path: SimpleNamespace) -> None:
+    from mlacheck.spec import SparsePrefillCase
+
+    case = SparsePrefillCase((Segment(24, 224), Segment(8, 8)), topk=128, num_heads=16)
+    fake_sparse_path.sparse.bug = "minus1-as-slot-0"  # early tokens see < 128: -1 padded
+    assert run_case(case, OnCpu(), RunOptions("cpu")).status == "FAIL"
+    lonely = dataclasses.replace(case, empty_rows=2)
+    why = OnCpu().capabilities()["mla_sparse_prefill"].why_not(lonely, "cpu")
+    assert why is not None and "unified_attention_sparse_mla.py:77-79" in why
+
+
+TOPK_REQUESTS = {
+    "two-stage": (Request(1, 4096), Request(2, 2049), Request(1, 2047)),
+    "one-stage": (Request(0, 30), Request(1, 64), Request(3, 100), Request(1, 20)),
+}
+
+
+@pytest.mark.parametrize("form", ["decode", "prefill"])
+@pytest.mark.parametrize(("rows", "k", "thresh"), [
+    ("two-stage", 2048, 1024), ("one-stage", 64, 1024), ("one-stage", 2048, 0)])
+def test_topk_runs_aiters_topk_and_pads_short_rows(
+        fake_sparse_path: SimpleNamespace, form: str, rows: str, k: int, thresh: int) -> None:
+    """Rows past 1024 columns take AITER's two stages, shorter ones its one-stage kernel,
+    which cannot take k > 1024: those go through the two stages (tiny_row_thresh=0)."""
+    from mlacheck.spec import TopkCase
+
+    case = TopkCase(TOPK_REQUESTS[rows], topk=k, form=form, logits="ties")  # type: ignore[arg-type]
+    v = run_case(case, OnCpu(), RunOptions("cpu"))
+    assert v.status == PASS, v.reason
+    (call,) = fake_sparse_path.topk.calls
+    assert (call["k"], call["tiny_row_thresh"]) == (k, thresh)
+    assert v.implementation["topk"].startswith(f"topk.topk(k={k}) over rows of")
+
+
+def test_topk_picks_past_a_short_rows_logits_must_become_minus_one(
+        fake_sparse_path: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlacheck.spec import TopkCase
+
+    case = TopkCase(TOPK_REQUESTS["one-stage"], topk=64)
+    monkeypatch.setattr(at, "TOPK_FILL", float("-inf"))  # AITER's fill value taken as a pick
+    v = run_case(case, OnCpu(), RunOptions("cpu"))
+    assert v.status == "FAIL", v.reason
+
+
+def test_sparse_pipeline_composes_aiters_stages(fake_sparse_path: SimpleNamespace) -> None:
+    from mlacheck.spec import SparsePipelineCase
+
+    case = SparsePipelineCase((Request(2, 300), Request(2, 90), Request(2, 129)), topk=128,
+                              num_heads=16, page_size=64)
+    v = run_case(case, OnCpu(), RunOptions("cpu"))
+    assert v.status == PASS, v.reason
+    assert [c["k"] for c in fake_sparse_path.topk.calls] == [128]
+    assert len(fake_sparse_path.sparse.launches) == 1
+    assert v.implementation["pipeline"].startswith("deepgemm_fp8_paged_mqa_logits -> topk.topk")

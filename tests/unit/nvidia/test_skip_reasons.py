@@ -41,10 +41,7 @@ ADAPTER_OMISSIONS: dict[tuple[str, str], str] = {
     ("flashinfer-fa3 0.7", Op.SPARSE_PREFILL): "as flashinfer",
     ("flashinfer 0.7", Op.TOPK): "flashinfer.top_k: its JIT build never finished on the H100",
     ("flashinfer-fa3 0.7", Op.TOPK): "as flashinfer",
-    ("aiter-triton", Op.SPARSE_PREFILL): "not wired",
-    ("aiter-triton", Op.TOPK): "AITER's Triton top-k not wired",
-    ("aiter-triton", Op.INDEX_CONVERSION): "not wired",
-    ("aiter-triton", Op.SPARSE_PIPELINE): "not wired",
+    ("aiter-triton", Op.INDEX_CONVERSION): "AITER's conversion kernels have no entry point",
     **{(name, op): "empty requests / segments not left out of the call"
        for name in ("aiter gfx950", "aiter gfx942", "aiter non-persistent")
        for op in (Op.DECODE, Op.SPARSE_DECODE, Op.PAGED_PREFILL)},
