@@ -71,7 +71,7 @@ def test_skips_cleanly_when_aiter_is_absent(fresh: pytest.MonkeyPatch) -> None:
     caps = b.capabilities()
     assert set(caps) == {"mla_decode", "mla_prefill", "mla_sparse_decode", "paged_prefill",
                          "mqa_logits", "paged_mqa_logits", "topk_indices", "mla_sparse_prefill",
-                         "sparse_pipeline"}
+                         "sparse_pipeline", "index_conversion"}
     assert all(c.why_not(case, "cpu") == why for c in caps.values())
 
 

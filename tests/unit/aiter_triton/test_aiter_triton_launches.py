@@ -426,3 +426,101 @@ def test_sparse_pipeline_composes_aiters_stages(fake_sparse_path: SimpleNamespac
     assert [c["k"] for c in fake_sparse_path.topk.calls] == [128]
     assert len(fake_sparse_path.sparse.launches) == 1
     assert v.implementation["pipeline"].startswith("deepgemm_fp8_paged_mqa_logits -> topk.topk")
+
+
+class FakeKernel:
+    """A @triton.jit kernel as the adapter sees one: `fn` (its Python parameters) and
+    `kernel[grid](**kwargs)`; the launch runs `fn` over the whole grid at once."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.launches: list[tuple[Any, dict[str, Any]]] = []
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(**kwargs: Any) -> None:
+            self.launches.append((grid, kwargs))
+            self.fn(**kwargs)
+        return launch
+
+
+def _rows(ptr: torch.Tensor, stride: int, rows: int, width: int) -> torch.Tensor:
+    """What a kernel reads at ptr + row * stride + col (col < width)."""
+    return ptr.as_strided((rows, width), (stride, 1))
+
+
+class FakeDsv4Conversion:
+    """_compute_topk_lens_kernel and _pack_global_topk_ragged_kernel
+    (_triton_kernels/attention/sparse_attention_dsv4.py:64-129, AITER e4048607a5): the count
+    of entries >= 0 per token (0 for an invalid token); then each token's FIRST `count`
+    entries through its request's block table, -1 kept, at its indptr. `bug`:
+    "no-block-table" writes the positions themselves."""
+
+    def __init__(self, bug: str = "") -> None:
+        self.bug = bug
+        self._compute_topk_lens_kernel = FakeKernel(self.lens)
+        self._pack_global_topk_ragged_kernel = FakeKernel(self.pack)
+
+    @staticmethod
+    def lens(topk_lens_ptr: torch.Tensor, topk_indices_ptr: torch.Tensor,
+             topk_indices_stride: int, topk: int, is_valid_token_ptr: torch.Tensor,
+             TRITON_BLOCK_SIZE: int) -> None:  # noqa: N803
+        rows = _rows(topk_indices_ptr, topk_indices_stride, topk_lens_ptr.numel(), topk)
+        count = (rows >= 0).sum(1).to(torch.int32)
+        topk_lens_ptr.copy_(torch.where(is_valid_token_ptr, count, 0))
+
+    def pack(self, global_topk_ragged_ptr: torch.Tensor, topk_indptr_ptr: torch.Tensor,
+             topk_indices_ptr: torch.Tensor, topk_indices_stride: int,
+             token_to_req_indices_ptr: torch.Tensor, block_table_ptr: torch.Tensor,
+             block_table_stride: int, block_size: int, topk: int, BLOCK_SIZE: int) -> None:  # noqa: N803
+        tokens = topk_indptr_ptr.numel() - 1
+        rows = _rows(topk_indices_ptr, topk_indices_stride, tokens, topk).long()
+        table = block_table_ptr.reshape(-1)
+        for t in range(tokens):
+            start, end = int(topk_indptr_ptr[t]), int(topk_indptr_ptr[t + 1])
+            local = rows[t, : min(end - start, topk)]
+            req = int(token_to_req_indices_ptr[t])
+            valid = local >= 0
+            pages = table[(req * block_table_stride + local // block_size).clamp(min=0)].long()
+            slots = local if self.bug == "no-block-table" else pages * block_size + local % block_size
+            global_topk_ragged_ptr[start: start + local.numel()] = torch.where(
+                valid, slots, -1).to(torch.int32)
+
+
+@pytest.fixture
+def fake_conversion(monkeypatch: pytest.MonkeyPatch) -> FakeDsv4Conversion:
+    fake = FakeDsv4Conversion()
+    loaded = at.Loaded("e4048607a", modules={"dsv4": fake})  # type: ignore[dict-item]
+    monkeypatch.setattr(at, "load", lambda: loaded)
+    monkeypatch.setattr(at.compat, "on_rocm", lambda: False)
+    return fake
+
+
+CONVERSION_REQUESTS = (Request(1, 64), Request(2, 40), Request(1, 300), Request(0, 16))
+
+
+@pytest.mark.parametrize("cap", [None, 20])
+def test_ragged_index_conversion_runs_aiters_dsv4_kernels(
+        fake_conversion: FakeDsv4Conversion, cap: int | None) -> None:
+    from mlacheck.spec import IndexConversionCase, Placement
+
+    case = IndexConversionCase(CONVERSION_REQUESTS, topk=64, valid_cap=cap, page_size=16,
+                               index_layout="ragged", placement=Placement("shuffled"))
+    v = run_case(case, OnCpu(), RunOptions("cpu"))
+    assert v.status == PASS, v.reason
+    (grid, kw), = fake_conversion._pack_global_topk_ragged_kernel.launches
+    assert grid == (4, 1) and kw["block_size"] == 16 and kw["BLOCK_SIZE"] == 128
+    assert kw["token_to_req_indices_ptr"].tolist() == [0, 1, 1, 2]
+    assert [g for g, _ in fake_conversion._compute_topk_lens_kernel.launches] == [(4,)]
+    assert v.implementation["conversion"].startswith("_compute_topk_lens_kernel -> indptr")
+    fake_conversion.bug = "no-block-table"
+    assert run_case(case, OnCpu(), RunOptions("cpu")).status == "FAIL"
+
+
+def test_row_major_index_conversion_is_the_kernels_limit(
+        fake_conversion: FakeDsv4Conversion) -> None:
+    from mlacheck.spec import IndexConversionCase
+
+    case = IndexConversionCase(CONVERSION_REQUESTS, topk=64, page_size=16)
+    why = OnCpu().capabilities()["index_conversion"].why_not(case, "cpu")
+    assert why is not None and "sparse_attention_dsv4.py:90-129" in why
+    assert not fake_conversion._pack_global_topk_ragged_kernel.launches

@@ -41,7 +41,6 @@ ADAPTER_OMISSIONS: dict[tuple[str, str], str] = {
     ("flashinfer-fa3 0.7", Op.SPARSE_PREFILL): "as flashinfer",
     ("flashinfer 0.7", Op.TOPK): "flashinfer.top_k: its JIT build never finished on the H100",
     ("flashinfer-fa3 0.7", Op.TOPK): "as flashinfer",
-    ("aiter-triton", Op.INDEX_CONVERSION): "AITER's conversion kernels have no entry point",
     **{(name, op): "empty requests / segments not left out of the call"
        for name in ("aiter gfx950", "aiter gfx942", "aiter non-persistent")
        for op in (Op.DECODE, Op.SPARSE_DECODE, Op.PAGED_PREFILL)},
