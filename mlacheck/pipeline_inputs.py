@@ -392,7 +392,10 @@ class SparsePrefillInputs:
         """These tensors as one sparse-decode request holding every query token over the flat
         latent KV viewed as a page-size-1 pool (page p = row p, so the indices are at once its
         positions and its global slots): how vLLM's ROCm V3.2 backend runs prefill tokens
-        through a sparse decode kernel. Nothing is copied; the output buffer is this one."""
+        through a sparse decode kernel (FlashInfer's adapter runs it the same way). Nothing is
+        copied; the output buffer is this one. An index the contract calls invalid (-1, or >= N
+        as FlashMLA documents and golden.sparse reads it) is -1 there: a decode's page list
+        has no other "no key"."""
         case, kv = self.case, self.kv
         t, n = case.total_q, case.total_kv
         twin = SparseDecodeCase(
@@ -404,7 +407,8 @@ class SparsePrefillInputs:
         return twin, DecodeInputs(
             case=twin, q=self.q, kv=[kv], pool=pool,
             qo_indptr=torch.tensor([0, t], dtype=torch.int32, device=self.device),
-            out=self.out, topk_indices=self.indices[:, 0])
+            out=self.out, topk_indices=torch.where(
+                (self.indices[:, 0] >= 0) & (self.indices[:, 0] < n), self.indices[:, 0], -1))
 
 
 def lonely_rows(total: int, n: int) -> list[int]:

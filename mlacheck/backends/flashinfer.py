@@ -17,6 +17,12 @@
   slots. The latent pool is viewed as a flat token pool ([pages * page_size, 1, 576], the same
   bytes: a view, no copy), each query token is one request (causal off) and its kv_indices are
   its valid top-k global slots (-1 padding dropped). The verdict's `implementation` says so.
+- mla_sparse_prefill (DeepSeek-V3.2 top-k prefill): the same attention per query token, so the
+  same composition runs it: the flat latent KV [N, 1, 576] is a page-size-1 pool whose slots
+  are its rows (SparsePrefillInputs.as_sparse_decode, as AITER's adapters do), each token one
+  request with its own index list. The kernel returns out and LSE, not the max scaled score:
+  the verdict's `implementation` says max_logits is not produced, and the judge does not check
+  it (mlacheck.pipeline_judge); it is never recomputed here from q and K.
 
 Versions: written for flashinfer-python 0.2.14.post1 and 0.7.x (the same wrapper keywords).
 What differs is read from the installed library: 0.7.x's MLA `plan` takes
@@ -67,7 +73,8 @@ from mlacheck.backends.toolkit import (
     topk_to_global_slots,
 )
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
-from mlacheck.spec import Case, DecodeCase, Op, PrefillCase, SparseDecodeCase
+from mlacheck.pipeline_inputs import SparsePrefillInputs
+from mlacheck.spec import Case, DecodeCase, Op, PrefillCase, SparseDecodeCase, SparsePrefillCase
 
 MODULE = "flashinfer"
 DISTRIBUTIONS = ("flashinfer-python", "flashinfer")
@@ -103,6 +110,7 @@ CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
 OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
     Op.DECODE: tuple(k for k in CALLED_PARAMETERS if k.startswith("mla.")),
     Op.SPARSE_DECODE: tuple(k for k in CALLED_PARAMETERS if k.startswith("mla.")),
+    Op.SPARSE_PREFILL: tuple(k for k in CALLED_PARAMETERS if k.startswith("mla.")),
     Op.PREFILL: tuple(k for k in CALLED_PARAMETERS if k.startswith("prefill.BatchPrefillWithRagged")),
     Op.PAGED_PREFILL: tuple(k for k in CALLED_PARAMETERS if k.startswith("prefill.BatchPrefillWithPaged")),
 }
@@ -283,11 +291,13 @@ INDEX_CONVERSION_REASON = (
     "FlashInfer has no positions -> slots kernel: the page-table translation exists only fused "
     "into the top-k over scores (top_k_page_table_transform, topk.py:1077 in 0.7.2.post1; "
     "0.2.14.post1 has neither)")
-# No sparse prefill entry point; the MLA wrapper at page size 1 with the top-k slots as the page
-# list (how mla_sparse_decode runs) would give out and LSE, not max_logits. Not wired.
-SPARSE_PREFILL_NOT_WIRED = adapter_choice(
-    "not wired: FlashInfer has no sparse MLA prefill; the page-size-1 composition that runs "
-    "mla_sparse_decode would give out and LSE (no max_logits)")
+# FlashInfer has no sparse MLA prefill entry point: mla_sparse_prefill runs through the
+# sparse decode's page-size-1 composition, whose kernel returns out and LSE only.
+SPARSE_PREFILL_COMPOSITION = (
+    "sparse prefill as mla_sparse_decode's composition: the flat latent KV [N, 1, 576] as a "
+    "page-size-1 pool (slot = row), every query token its own request over its own index list")
+NO_MAX_LOGITS = ("not produced: BatchMLAPagedAttentionWrapper.run returns out and LSE only "
+                 "(return_lse); not checked")
 # The top-k of a score row as indices: 0.7.x's flashinfer.top_k (topk.py:876 in 0.7.2.post1);
 # older lines' top-k functions (0.2.14.post1's sampling.py:727, :1185, :1249) return samples,
 # renormalised probabilities or masked logits, never the indices.
@@ -428,6 +438,11 @@ class FlashInferBackend(LibraryAdapter):
                 notes=f"BatchMLAPagedAttentionWrapper backend={self.kernel} at page size 1: the "
                       "pool viewed as flat tokens, one request per query token, its valid top-k "
                       "global slots as kv_indices, causal off; LSE base 2 -> natural" + fp8_note),
+            Op.SPARSE_PREFILL: Capability(
+                **decode, refusal=problem[Op.SPARSE_PREFILL],
+                notes=f"BatchMLAPagedAttentionWrapper backend={self.kernel} at page size 1 over "
+                      "the flat latent KV, one request per query token (mla_sparse_decode's "
+                      "composition); out and LSE, no max_logits; LSE base 2 -> natural"),
             Op.PREFILL: Capability(
                 **prefill[Op.PREFILL][0],
                 soft_cap=True, lse=True, empty_requests=True, devices=("cuda",),
@@ -458,7 +473,6 @@ class FlashInferBackend(LibraryAdapter):
         caps = {op: Capability(refusal=sparse_path_refusal(got, kernel, arch))
                 for op, kernel in SPARSE_PATH_KERNELS.items()}
         caps[Op.INDEX_CONVERSION] = Capability(refusal=INDEX_CONVERSION_REASON)
-        caps[Op.SPARSE_PREFILL] = Capability(refusal=SPARSE_PREFILL_NOT_WIRED)
         caps[Op.TOPK] = Capability(refusal=NO_TOP_K_REASON.format(version=got.version)
                                    if not has_function(got, TOP_K_FUNCTION) else TOP_K_NOT_WIRED)
         return caps
@@ -500,7 +514,8 @@ class FlashInferBackend(LibraryAdapter):
         if isinstance(got, str):
             raise RuntimeError(got)
         op_run = {Op.PREFILL: self._prefill, Op.PAGED_PREFILL: self._paged_prefill,
-                  Op.DECODE: self._decode, Op.SPARSE_DECODE: self._sparse}[case.op]
+                  Op.DECODE: self._decode, Op.SPARSE_DECODE: self._sparse,
+                  Op.SPARSE_PREFILL: self._sparse_prefill}[case.op]
         out = op_run(got, case, inputs)  # type: ignore[operator]
         out.metadata.setdefault("flashinfer", {}).update(version=got.version, kernel=self.kernel)
         return out
@@ -567,6 +582,13 @@ class FlashInferBackend(LibraryAdapter):
             f"top-k as paged attention at page size 1: the pool {tuple(pool.shape)} viewed as "
             f"{tuple(flat.shape)} tokens (no copy); one request per query token "
             f"({case.total_q}), kv_indices = its valid top-k global slots, causal off")}
+        return out
+
+    def _sparse_prefill(self, got: Loaded, case: SparsePrefillCase,
+                        inputs: SparsePrefillInputs) -> Output:
+        out = self._sparse(got, *inputs.as_sparse_decode())
+        out.metadata["flashinfer"].update(composition=SPARSE_PREFILL_COMPOSITION,
+                                          max_logits=NO_MAX_LOGITS)
         return out
 
     def _prefill(self, got: Loaded, case: PrefillCase, inputs: PrefillInputs) -> Output:

@@ -35,10 +35,6 @@ SOURCE = re.compile(r"[\w./-]+\.(?:py|cu|cuh|h|hpp|cpp|csv)\b|\bmeasured\b")
 # (backend, op) -> what the adapter does not wire although the library has a kernel for it
 # (docs/gpu-results.md lists them with the reason they stay).
 ADAPTER_OMISSIONS: dict[tuple[str, str], str] = {
-    ("flashinfer 0.2.14", Op.SPARSE_PREFILL): "not wired (page-size-1 composition, no max_logits)",
-    ("flashinfer 0.7", Op.SPARSE_PREFILL): "not wired (page-size-1 composition, no max_logits)",
-    ("flashinfer-fa3 0.2.14", Op.SPARSE_PREFILL): "as flashinfer",
-    ("flashinfer-fa3 0.7", Op.SPARSE_PREFILL): "as flashinfer",
     ("flashinfer 0.7", Op.TOPK): "flashinfer.top_k: its JIT build never finished on the H100",
     ("flashinfer-fa3 0.7", Op.TOPK): "as flashinfer",
     **{(name, op): "empty requests / segments not left out of the call"
