@@ -34,8 +34,9 @@ from mlacheck.verdict import Verdict
 
 BASELINE = TorchBackend(name="baseline")
 P_NORMALISED_BASELINE = TorchBackend(Numerics(p_normalised=True), name="baseline-p-normalised")
-# Not a bound of its own: the eager baseline with each row's largest weight rounded as badly
-# as the P format can, from which the judge takes each FP8 row's allowance for that rounding.
+# Not a bound of its own: the eager baseline with each row's largest weight (and the weights
+# it rounds to the same value: near ties) rounded as badly as the P format can, from which the
+# judge takes each FP8 row's allowance for that rounding.
 PEAK_ROUNDED_BASELINE = TorchBackend(Numerics(peak_rounding=tol.PEAK_ROUNDOFFS),
                                      name=judge.PEAK_ROUNDED)
 
@@ -319,7 +320,7 @@ def baselines(case: Case) -> list[TorchBackend]:
     worse is the judge's (mlacheck.judge._judge_numerics: every check with FP8 P, the largest
     element alone with 16-bit P; docs/detection.md "P rounding families"). With FP8 P
     PEAK_ROUNDED_BASELINE too: each row's allowance for the rounding of its largest weight
-    (mlacheck.judge._fp8_row_bounds; docs/detection.md section 2)."""
+    and its near ties (mlacheck.judge._fp8_row_bounds; docs/detection.md section 2)."""
     if case.op in PIPELINE_OPS and case.op not in (Op.SPARSE_PIPELINE, Op.SPARSE_PREFILL):
         return [BASELINE]  # logits, selections, slots: no P
     p_fmt = tol.compute_format(case.quant.q, case.quant.kv)

@@ -479,9 +479,9 @@ def _fp8_row_bounds(eager: torch.Tensor, peak: torch.Tensor, g_out: torch.Tensor
     """Each FP8 row's bound [T, H] and its description: the smaller of the case-wide bound
     (the P-rounding family's worst row) and max(ROW_FACTOR x the eager baseline's worst row
     + floor, FP8_OWN_ROW_FACTOR x the eager baseline's error on the row + the allowance for
-    rounding the row's largest weight + floor), the allowance being how far the
-    peak-rounded baseline moves the row from the eager one (relative to the golden row):
-    a kernel that rounds the largest weight has room for that rounding where the row
+    rounding the row's largest weight (with its near ties) + floor), the allowance being how
+    far the peak-rounded baseline moves the row from the eager one (relative to the golden
+    row): a kernel that rounds the largest weight has room for that rounding where the row
     carries it, not on every row (tolerances.PEAK_ROUNDOFFS)."""
     e_err = _baseline_row_errors(eager, g_out, g_bad)
     e_worst = float(e_err.max()) if e_err.numel() else 0.0

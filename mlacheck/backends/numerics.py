@@ -43,11 +43,14 @@ class Numerics:
     # this many powers of two (FlashAttention-4 uses 8 with 16-bit P): P = exp(s - stale max)
     # reaches 2^lazy_rescale, and rescales of the accumulator are rare. 0: eager (default).
     lazy_rescale: float = 0.0
-    # peak_rounding: the weights at the running max (P == 1, which the eager kernel leaves
-    # exact) times (1 + this many unit roundoffs of the P format): as badly as a kernel that
-    # scales P otherwise before rounding it (P / l, a stale max) can round the row's largest
-    # weight. Not a kernel: the baseline the judge derives each FP8 row's allowance for that
-    # rounding from (mlacheck.harness.baselines, tolerances.PEAK_ROUNDOFFS). 0: off.
+    # peak_rounding: the weights the eager rounding puts at the running max's value (P
+    # rounded to 1: the max itself, exact, and any weight tied with it to within half a
+    # rounding step, off by its distance to 1 at most) at their exact value times (1 + this
+    # many unit roundoffs of the P format): as badly as a kernel that scales P otherwise
+    # before rounding it (P / l, a stale max) can round them, and in the same direction
+    # (near-equal values round alike). Not a kernel: the baseline the judge derives each FP8
+    # row's allowance for that rounding from (mlacheck.harness.baselines,
+    # tolerances.PEAK_ROUNDOFFS). 0: off.
     peak_rounding: float = 0.0
     # Precision lost in PART of the accumulation (fp32 everywhere in a correct kernel; the
     # faults of mlacheck/backends/faults/precision.py set one): the P.V product of every
@@ -216,11 +219,11 @@ def _online_tiles(
 
 def _peak_rounded(p: torch.Tensor, p_r: torch.Tensor, p_format: str, nm: Numerics
                   ) -> torch.Tensor:
-    """p_r with the weights at the running max (p == 1, exact in p_r) times (1 +
-    nm.peak_rounding unit roundoffs of the P format)."""
+    """p_r with the weights it rounds to the running max's value (p_r == 1: p == 1 and its
+    near ties) at p times (1 + nm.peak_rounding unit roundoffs of the P format)."""
     if not nm.peak_rounding or p_format == "fp32":
         return p_r
-    return torch.where(p == 1, p_r * (1 + nm.peak_rounding * fp8.fmt(p_format).eps), p_r)
+    return torch.where(p_r == 1, p * (1 + nm.peak_rounding * fp8.fmt(p_format).eps), p_r)
 
 
 def _narrow_tiles(tiles: int, nm: Numerics, device: torch.device) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mlacheck import fp8
 from mlacheck.backends import numerics as nu
 
 SHAPES = [
@@ -108,7 +109,8 @@ def test_other_p_rounding_families_take_empty_rows(nm: nu.Numerics, sq: int, sk:
 def test_peak_rounding_moves_only_the_largest_weight_by_one_roundoff(p_format: str) -> None:
     """The peak-rounded baseline (the judge's FP8 allowance, tolerances.PEAK_ROUNDOFFS): one
     visible key gives that key's V times (1 + 2^-4), an e4m3 unit roundoff; with the tile
-    loop and the vectorised pass alike; every other weight is rounded as the eager one's."""
+    loop and the vectorised pass alike; every other weight is rounded as the eager one's,
+    except near ties of the largest (next test)."""
     q, k, v = _data(1, 2, 2, 1, 192, 128)
     pos = torch.arange(1)
     peak = nu.Numerics(peak_rounding=1.0)
@@ -125,3 +127,25 @@ def test_peak_rounding_moves_only_the_largest_weight_by_one_roundoff(p_format: s
     diff = (moved[0] - eager[0]).norm(dim=-1) / eager[0].norm(dim=-1)
     assert bool((diff > 0).all()) and float(diff.max()) <= 2.0**-4 * 1.01
     assert torch.equal(moved[1], eager[1])  # the LSE is formed before P is rounded
+
+
+@pytest.mark.parametrize("p_format", ["fp8_e4m3fn", "fp8_e4m3fnuz"])
+def test_peak_rounding_moves_the_near_ties_of_the_largest_weight_with_it(p_format: str) -> None:
+    """A weight the eager rounding puts at the peak's value (P = exp(-0.01), rounded to 1)
+    moves with the largest, to its exact value times (1 + 2^-4): a kernel that scales P
+    otherwise rounds near-equal weights alike; one further off (P = exp(-0.1), rounded to
+    0.875 or 0.9375) keeps the eager rounding."""
+    k = torch.zeros(3, 1, 8)
+    k[:, 0, 0] = torch.tensor([0.0, -0.01, -0.1])
+    q = torch.zeros(1, 1, 8)
+    q[0, 0, 0] = 1.0
+    v = torch.eye(3, 8).reshape(3, 1, 8)
+    pos = torch.tensor([2])
+    with nu.exact_matmuls():
+        out, _ = nu._online(q, k, v, 0, 3, 1.0, False, p_format, nu.Numerics(peak_rounding=1.0),
+                            0.0, None, pos)
+    p = torch.exp(k[:, 0, 0])
+    rounded = fp8.round_trip(p, p_format)
+    assert rounded[1] == 1 and rounded[2] != 1
+    want = torch.stack([p[0] * (1 + 2.0**-4), p[1] * (1 + 2.0**-4), rounded[2]]) / p.sum()
+    torch.testing.assert_close(out[0, 0, :3], want, rtol=1e-6, atol=1e-7)
