@@ -25,6 +25,7 @@ from mlacheck.spec import (
     Quant,
     Request,
     Segment,
+    TopkCase,
 )
 from mlacheck.verdict import CRASH, FAIL
 
@@ -67,6 +68,11 @@ def _nan_poisoned_partial_last_tile(case: Case) -> bool:
         return False
     tile = decode_tile(paging.page_size, native_pages()) or paging.page_size
     return any(n % tile for n in case.kv_lengths)
+
+def _topk_masked_chunk_reaches_stage2(case: Case) -> bool:
+    from mlacheck.backends.aiter_triton import topk_masked_chunk_reaches_stage2
+
+    return topk_masked_chunk_reaches_stage2(case)
 
 
 def _folded_kv_offset_wrong(gfx: str | None) -> Callable[[Case], bool]:
@@ -231,6 +237,26 @@ RULES: tuple[KnownFailure, ...] = (
         # GPUs they ran 27.5-28.2 s into a 49.6 s run and their replacements ended it
         can_end_the_worker=True,
         fails_as=(FAIL, CRASH),  # wrong keys where the memory is mapped (the replay)
+    ),
+    KnownFailure(
+        name="aiter-triton-topk-minus-inf-in-stage-2",
+        backends=("aiter-triton",),
+        op=Op.TOPK,
+        applies=_topk_masked_chunk_reaches_stage2,
+        finding=("AITER Triton topk.topk, two-stage path (rows of > 1024 columns or k > 1024): "
+                 "a stage-1 chunk that is all -inf (a row shorter than the batch's longest, "
+                 "as the V3.2 indexer pads rows) sends its first pick, -inf, to stage 2, whose "
+                 "bitonic compare-and-swap selects each pair's left / right element as "
+                 "tl.sum(y * (1 - mask), 1) / tl.sum(y * mask, 1) (aiter/ops/triton/"
+                 "_triton_kernels/topk.py:164-168, from FlagGems): -inf * 0 = NaN, the pair "
+                 "compares false and is never swapped, and the sort, so the selection, is "
+                 "wrong. Read from the source at e4048607a; on the H100 (premerge seed 0, "
+                 "2026-11-27) both k2048 decode cases FAIL (3 and 4 of 5 rows not a top-2048). "
+                 "docs/gpu-results.md, finding 6"),
+        minimal_case=TopkCase(requests=(Request(1, 2048), Request(1, 4096)), topk=2048),
+        # whether a row's selection goes wrong depends on where the NaN pair sits in the
+        # network for the values drawn: a matching case can pass with the bug present
+        strict=False,
     ),
 )
 

@@ -238,6 +238,70 @@ SPARSE_REASONS = {
 # columns when k exceeds the chunk, topk.py:71-77).
 TOPK_TINY_ROW = 1024  # topk.py:137 MAX_TINY_ROW: the one-stage kernel's largest block
 TOPK_FILL = torch.finfo(torch.float32).min  # AITER's FILL_VALUE for a descending top-k
+# The two-stage path's second stage sorts all chunks' picks in one program (topk.py:108-119:
+# BLOCK_SIZE = next_pow2(chunk_num * k); _triton_kernels/topk.py:307 argsort, a bitonic
+# network unrolled at compile time). Measured on the H100 (2026-11-27, premerge seed 0,
+# /work/state/gpu-s8/v8c): 4096 elements ran; the prefill-form k2048 cases (16384) did not
+# finish within 100 s. Larger sorts are a SKIP saying so, not a run that stalls the nightly.
+TOPK_STAGE2_MEASURED_MAX = 4096
+
+
+@dataclass(frozen=True)
+class TopkPlan:
+    """How AITER's topk.topk splits a row of `width` columns for `k` picks (topk.py:63-109),
+    with the adapter's tiny_row_thresh (one stage for rows of <= 1024 when k <= 1024)."""
+
+    two_stage: bool
+    chunk: int  # stage 1's columns per program
+    chunks: int
+    stage2: int  # stage 2's sort size, next_pow2(chunks * k)
+
+    @staticmethod
+    def of(width: int, k: int) -> TopkPlan:
+        two_stage = width > TOPK_TINY_ROW or k > TOPK_TINY_ROW
+        chunk = 256 if width < 1024 else 1024
+        if chunk < k:
+            chunk = 1 << (k - 1).bit_length()
+        chunks = -(-width // chunk)
+        return TopkPlan(two_stage, chunk, chunks, 1 << (chunks * k - 1).bit_length())
+
+
+def topk_windows(case: Case) -> tuple[int, list[tuple[int, int]]]:
+    """The rows' width and each row's window [start, end) of finite logits, as
+    mlacheck.pipeline_inputs hands them (decode: request-local rows of max kv_len; prefill:
+    batch-wide rows of sum kv_len)."""
+    lengths = list(case.kv_lengths)
+    if getattr(case, "form", "decode") == "prefill":
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        return sum(lengths), [(s, s + n) for s, n in zip(starts, lengths, strict=True)]
+    return max(lengths), [(0, n) for n in lengths]
+
+
+def topk_stage2_rule(case: Case) -> str | None:
+    plan = TopkPlan.of(topk_windows(case)[0], case.topk)
+    if plan.two_stage and plan.stage2 > TOPK_STAGE2_MEASURED_MAX:
+        return (f"AITER topk's stage 2 would sort {plan.stage2} elements in one program "
+                f"({plan.chunks} chunks x k {case.topk}; topk.py:108-119, _triton_kernels/"
+                "topk.py:307 argsort, a bitonic network unrolled at compile): measured on the "
+                f"H100, {TOPK_STAGE2_MEASURED_MAX} ran and 16384 did not finish in 100 s")
+    return None
+
+
+def topk_masked_chunk_reaches_stage2(case: Case) -> bool:
+    """Whether a row has a whole stage-1 chunk of -inf inside the row: that chunk's first
+    pick is -inf (later picks take the FILL its taken slots hold, FILL > -inf; a chunk running
+    past the row is padded with FILL, _triton_kernels/topk.py:127-131) and goes on to stage 2,
+    whose compare-and-swap selects with tl.sum(y * (1 - mask)) (_triton_kernels/topk.py:
+    164-168): -inf * 0 = NaN (known.py: aiter-triton-topk-minus-inf-in-stage-2)."""
+    width, windows = topk_windows(case)
+    plan = TopkPlan.of(width, case.topk)
+    if not plan.two_stage:
+        return False
+    whole = [(c * plan.chunk, (c + 1) * plan.chunk) for c in range(plan.chunks)
+             if (c + 1) * plan.chunk <= width]
+    return any(end <= lo or start >= hi for start, end in windows for lo, hi in whole)
+
+
 # index_conversion: AITER e4048607a5's positions -> slots kernels (DeepSeek-V4's, in
 # _triton_kernels/attention/sparse_attention_dsv4.py): _compute_topk_lens_kernel (:64-87, each
 # token's count of entries >= 0) and _pack_global_topk_ragged_kernel (:90-129, the first `count`
@@ -798,6 +862,7 @@ class AiterTritonBackend:
         return {
             Op.TOPK: Capability(
                 empty_requests=True, devices=gpu, refusal=problems.get(Op.TOPK),
+                rules=(topk_stage2_rule,),
                 notes="aiter.ops.triton.topk.topk over each row as handed (-inf outside its "
                       "window): picks past a row's finite logits -> -1; prefill positions "
                       "made relative to the window start; k > 1024 on rows of <= 1024 columns "
