@@ -855,7 +855,8 @@ class AiterTritonBackend:
                 why = replace(caps[op], devices=("cuda",)).why_not(getattr(case, sub)(), "cuda")
                 if why:
                     return f"{op} stage: {why}"
-            return None
+            why = topk_stage2_rule(case)  # its top-k rows: request-local, the longest's width
+            return f"{Op.TOPK} stage: {why}" if why else None
 
         refusal = next((problems[op] for op in (Op.PAGED_MQA_LOGITS, Op.TOPK, Op.SPARSE_DECODE)
                         if op in problems), None)

@@ -50,3 +50,24 @@ def test_an_all_minus_inf_chunk_reaches_stage_2(lengths: tuple[int, ...], k: int
     assert at.topk_masked_chunk_reaches_stage2(case) is reaches
     rule = known.lookup("aiter-triton", case)
     assert (rule is not None and rule.name == "aiter-triton-topk-minus-inf-in-stage-2") is reaches
+
+
+def test_the_pipelines_top_k_stage_has_the_same_stage_2_limit() -> None:
+    """The composed path's top-k runs over request-local rows as wide as its longest request."""
+    from mlacheck.backends import aiter_triton_compat as compat
+    from mlacheck.spec import Quant, SparsePipelineCase
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(at, "load", lambda: at.Loaded("e4048607a"))
+    mp.setattr(compat, "compile_only", lambda: True)
+    try:
+        cap = at.factory().capabilities()["sparse_pipeline"]
+        wide = SparsePipelineCase((Request(1, 9000), Request(1, 700)), topk=2048,
+                                  quant=Quant("bf16", "bf16"))
+        why = cap.why_not(wide, "cuda")
+        assert why is not None and why.startswith("topk_indices stage: AITER topk's stage 2")
+        short = SparsePipelineCase((Request(1, 300), Request(1, 90)), topk=128,
+                                   quant=Quant("bf16", "bf16"))
+        assert cap.why_not(short, "cuda") is None
+    finally:
+        mp.undo()
