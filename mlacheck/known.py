@@ -248,10 +248,11 @@ RULES: tuple[KnownFailure, ...] = (
                  "as the V3.2 indexer pads rows) sends its first pick, -inf, to stage 2, whose "
                  "bitonic compare-and-swap selects each pair's left / right element as "
                  "tl.sum(y * (1 - mask), 1) / tl.sum(y * mask, 1) (aiter/ops/triton/"
-                 "_triton_kernels/topk.py:164-168, from FlagGems): -inf * 0 = NaN, the pair "
-                 "compares false and is never swapped, and the sort, so the selection, is "
-                 "wrong. Read from the source at e4048607a; on the H100 (premerge seed 0, "
-                 "2026-11-27) both k2048 decode cases FAIL (3 and 4 of 5 rows not a top-2048). "
+                 "_triton_kernels/topk.py:164-168, from FlagGems): -inf * 0 = NaN, so that "
+                 "pair's values are not swapped while its indices are, and values and indices "
+                 "go out of step. Replayed on the H100 with a direct call: a row with a whole "
+                 "-inf chunk gets a pick outside the top-2048 and values != x[index]; the same "
+                 "row with -1e30, or with no whole -inf chunk, is right. "
                  "docs/gpu-results.md, finding 6"),
         minimal_case=TopkCase(requests=(Request(1, 2048), Request(1, 4096)), topk=2048),
         # whether a row's selection goes wrong depends on where the NaN pair sits in the
