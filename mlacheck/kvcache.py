@@ -81,6 +81,17 @@ class PageTable:
                              for b, n in enumerate(need)]) if self.batch else self.indices
         return PageTable(tile, indptr, indices, self.kv_lens)
 
+    def of_requests(self, rows: Sequence[int]) -> PageTable:
+        """The table of requests `rows` only, in that order, over the same physical pages:
+        what a kernel is handed when the other requests are left out of its call."""
+        idx = torch.tensor(list(rows), dtype=torch.long)
+        counts = (self.indptr[1:] - self.indptr[:-1])[idx]
+        indptr = torch.zeros(idx.numel() + 1, dtype=self.indptr.dtype)
+        indptr[1:] = torch.cumsum(counts, 0)
+        indices = (torch.cat([self.pages_of(int(r)) for r in idx]) if idx.numel()
+                   else self.indices[:0])
+        return PageTable(self.page_size, indptr, indices, self.kv_lens[idx])
+
     @property
     def last_page_lens(self) -> torch.Tensor:
         return self.kv_lens - (self.indptr[1:] - self.indptr[:-1] - 1) * self.page_size

@@ -68,6 +68,7 @@ from mlacheck.backends.base import Capability, CaseRule, Output, Range
 from mlacheck.backends.toolkit import (  # topk_to_global_slots: re-exported (tests, users)
     lse_natural,
     lse_tokens_heads,
+    nonempty_units,
     signature_problem,
     topk_to_global_slots,
 )
@@ -1047,7 +1048,7 @@ class AiterTritonBackend:
         table = inp.table
         block_table, seq_lens = table.to_vllm(pad_value=0)
         slots = topk_to_global_slots(inp.topk_indices, inp.qo_indptr, table)
-        busy = [r for r, req in enumerate(case.requests) if req.q_len]  # empty ones left out
+        busy = nonempty_units(case.q_lengths)  # the empty requests left out of the call
         q_lens = [case.requests[r].q_len for r in busy]
         cu = torch.zeros(len(busy) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)

@@ -57,6 +57,13 @@ def signature_problem(function: Callable[..., Any], qualname: str,
     return None
 
 
+def nonempty_units(q_lens: Sequence[int]) -> list[int]:
+    """The requests / segments a kernel is handed when the empty ones (q_len 0) are left out
+    of its call. An empty unit has no query rows, so the others' rows stay where they are and
+    nothing is owed for it (its outputs are no rows); its K/V, if any, is simply not read."""
+    return [u for u, n in enumerate(q_lens) if n]
+
+
 def lse_natural(lse: torch.Tensor, base: float = math.e) -> torch.Tensor:
     """An LSE in `base` (2 for FlashInfer's default) as the natural-log LSE, fp32."""
     lse = lse.float()

@@ -59,8 +59,8 @@ from mlacheck.backends.aiter.capability import (
     nonpersistent_head_targets,
 )
 from mlacheck.backends.base import Capability, CaseRule, Output, Range
-from mlacheck.backends.toolkit import lse_natural, lse_tokens_heads
-from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
+from mlacheck.backends.toolkit import lse_natural, lse_tokens_heads, nonempty_units
+from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs, cu_seqlens
 from mlacheck.spec import PIPELINE_OPS, Case, DecodeCase, Op, PrefillCase, SparseDecodeCase
 
 # --------------------------------------------------------------------------- metadata cache
@@ -171,7 +171,7 @@ class AiterAdapter:
         decode_common: dict[str, Any] = dict(
             q_formats=("bf16", chip_fp8), kv_formats=("bf16", chip_fp8),
             format_pairs=frozenset(decode_pairs), scale_policies=("unit", "amax"),
-            head_counts=Range(1, MAX_DECODE_HEADS),
+            head_counts=Range(1, MAX_DECODE_HEADS), empty_requests=True,  # left out of the call
             q_len=Range(1, 4), causal=(True,), devices=self.devices,
             # kv_buffer is the pool's memory as is: [pages, page_size, 1, 576]
             layouts=(layouts.LINEAR.name,), reasons=DECODE_REASONS,
@@ -196,7 +196,8 @@ class AiterAdapter:
                 format_pairs=frozenset({("bf16", "bf16"), ("fp16", "fp16"), fp8_pair}),
                 scale_policies=("unit", "amax"),
                 layouts=(layouts.LINEAR.name, layouts.VECTORIZED.name),  # CK's two
-                soft_cap=True, devices=self.devices, refusal=api.op_problem(Op.PAGED_PREFILL),
+                soft_cap=True, empty_requests=True, devices=self.devices,
+                refusal=api.op_problem(Op.PAGED_PREFILL),
                 reasons=PAGED_PREFILL_REASONS,
                 notes="CK mha_batch_prefill_func, sglang-style page table"),
         }
@@ -208,7 +209,8 @@ class AiterAdapter:
                                "csrc/py_itfs_cu/asm_mla.cu:1159-1160); gfx950 only")
         caps[Op.PREFILL] = Capability(
             q_formats=(chip_fp8,), kv_formats=(chip_fp8,), scale_policies=("unit", "amax"),
-            head_counts=PREFILL_PS_HEADS, devices=self.devices, refusal=prefill_refusal,
+            head_counts=PREFILL_PS_HEADS, empty_requests=True, devices=self.devices,
+            refusal=prefill_refusal,
             reasons=PREFILL_PS_REASONS,
             notes="FP8 ASM persistent-scheduling prefill (mla_prefill_ps_fwd), gfx950; "
                   "LSE checked only with ROCm/aiter#3606")
@@ -256,8 +258,11 @@ class AiterAdapter:
 
     def page_table_for_decode(self, inputs: DecodeInputs
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """AITER's page table: page-level kv_indptr, physical page ids, last-page lengths."""
-        return inputs.table.to_aiter()
+        """AITER's page table of the non-empty requests (the empty ones are left out of the
+        call): page-level kv_indptr, physical page ids, last-page lengths."""
+        kept = nonempty_units(inputs.case.q_lengths)
+        table = inputs.table
+        return (table if len(kept) == table.batch else table.of_requests(kept)).to_aiter()
 
     def decode_schedule(self, case: DecodeCase | SparseDecodeCase,
                         inputs: DecodeInputs) -> DecodeSchedule:
@@ -265,8 +270,9 @@ class AiterAdapter:
         if case.sparse:
             return self.sparse_schedule(case, inputs)  # type: ignore[arg-type]
         kv_indptr, kv_indices, last = self.page_table_for_decode(inputs)
+        kept = [case.q_lengths[r] for r in nonempty_units(case.q_lengths)]
         return DecodeSchedule(
-            qo_indptr=inputs.qo_indptr.to(device=dev, dtype=torch.int32),
+            qo_indptr=cu_seqlens(kept).to(device=dev, dtype=torch.int32),
             kv_indptr=kv_indptr.to(dev), kv_indices=kv_indices.to(dev),
             kv_last_page_lens=last.to(dev), page_size=case.page_size,
             max_seqlen_q=case.max_q_len, kv_buffer=inputs.pool.data)
@@ -327,6 +333,9 @@ class AiterAdapter:
             kwargs["kv_scale"] = _scale_tensor(inputs.pool.scale)
         meta: dict[str, Any] = {"head_padding": f"{padding.heads}->{padding.padded}"
                                 + (f" (repeat x{padding.repeat})" if padding.repeat > 1 else "")}
+        if case.has_empty and not case.sparse:  # sparse: every token its own pseudo-request
+            meta["left_out"] = (f"{case.q_lengths.count(0)} empty requests (their qo_indptr "
+                                "entries and pages)")
         if self.persistent:
             record = self.persistent_metadata(api, sched, padding.padded, q.dtype,
                                               sched.kv_buffer.dtype)
@@ -455,11 +464,17 @@ class AiterAdapter:
         dev = inputs.device
         heads = case.num_heads
         q, k, v = inputs.q.stored, inputs.k.stored, inputs.v.stored
-        qo_cpu = inputs.cu_seqlens_q.cpu().to(torch.int32)
-        kv_cpu = inputs.cu_seqlens_k.cpu().to(torch.int32)
+        # the empty segments (q_len 0) left out: the kept ones' cu_seqlens, their K/V rows
+        # named through kv_page_indices (block size 1: a row is a page; no copy)
+        kept = [case.segments[s] for s in nonempty_units(case.q_lengths)]
+        starts = inputs.cu_seqlens_k.cpu().tolist()
+        qo_cpu = cu_seqlens([s.q_len for s in kept])
+        kv_cpu = cu_seqlens([s.kv_len for s in kept])
+        kv_rows = torch.cat([torch.arange(starts[u], starts[u + 1])
+                             for u in nonempty_units(case.q_lengths)]).to(torch.int32)
         kv_lens = (kv_cpu[1:] - kv_cpu[:-1]).contiguous()
-        segments = len(case.segments)
-        max_q = max(s.q_len for s in case.segments)
+        segments = len(kept)
+        max_q = max(s.q_len for s in kept)
         sizes = self._call(api, "get_ps_metadata_info_v1", batch_size=segments, num_head_k=heads,
                            max_qlen=max_q, qlen_granularity=PREFILL_PS_TILE_Q)
         bufs = {n: torch.empty(_as_shape(s), dtype=d, device=dev)
@@ -479,7 +494,7 @@ class AiterAdapter:
         result = self._call(
             api, "mla.mla_prefill_ps_fwd", Q=q.contiguous(), K=k.contiguous(), V=v.contiguous(),
             output=out, qo_indptr=qo_cpu.to(dev), kv_indptr=kv_cpu.to(dev),
-            kv_page_indices=torch.arange(int(kv_cpu[-1]), dtype=torch.int32, device=dev),
+            kv_page_indices=kv_rows.to(dev),
             work_indptr=bufs["work_indptr"], work_info_set=bufs["work_info_set"],
             max_seqlen_q=max_q, is_causal=case.causal, reduce_indptr=bufs["reduce_indptr"],
             reduce_final_map=bufs["reduce_final_map"],
@@ -493,6 +508,9 @@ class AiterAdapter:
             is_causal=case.causal, info_sizes=[(_as_shape(s), d) for s, d in sizes],
             kv_page_indices_len=int(kv_cpu[-1]), reduce_single_partials=api.prefill_lse_fixed)
         meta: dict[str, Any] = {"ps_prefill": record}
+        if case.has_empty:
+            meta["left_out"] = (f"{len(case.segments) - segments} empty segments: the kept "
+                                "ones' cu_seqlens, their K/V rows as kv_page_indices")
         meta["validation"], note = validate_persistent_metadata(record, "validate_ps_metadata")
         if note:
             meta["validation_note"] = note
@@ -511,14 +529,19 @@ class AiterAdapter:
                        inputs: PrefillInputs) -> Output:
         assert inputs.k_pool is not None and inputs.v_pool is not None
         dev = inputs.device
-        kv_indptr, kv_pages, last = inputs.k_pool.table.to_aiter()
+        units = nonempty_units(case.q_lengths)  # the empty segments left out of the call
+        kept = [case.segments[s] for s in units]
+        table = inputs.k_pool.table  # the K and V pools share it
+        if len(kept) < table.batch:
+            table = table.of_requests(units)
+        kv_indptr, kv_pages, last = table.to_aiter()
         out = inputs.out.out
         kwargs: dict[str, Any] = dict(
             q=inputs.q.stored.contiguous(), k=inputs.k_pool.data, v=inputs.v_pool.data,
-            cu_seqlens_q=inputs.cu_seqlens_q.to(device=dev, dtype=torch.int32),
+            cu_seqlens_q=cu_seqlens([s.q_len for s in kept]).to(device=dev),
             kv_indptr=kv_indptr.to(dev), kv_page_indices=kv_pages.to(dev),
-            kv_last_page_lens=last.to(dev), max_seqlen_q=max(s.q_len for s in case.segments),
-            max_seqlen_k=max(s.kv_len for s in case.segments), dropout_p=0.0,
+            kv_last_page_lens=last.to(dev), max_seqlen_q=max(s.q_len for s in kept),
+            max_seqlen_k=max(s.kv_len for s in kept), dropout_p=0.0,
             softmax_scale=case.softmax_scale, logits_soft_cap=float(case.soft_cap),
             causal=case.causal, window_size=(-1, -1), return_lse=case.return_lse, out=out)
         if fp8.fmt(case.quant.q).is_fp8:
@@ -531,7 +554,9 @@ class AiterAdapter:
             out.copy_(got)
         if lse is not None:  # CK returns [H, total_q]
             lse = _normalise_lse(lse, out.shape[0], case.num_heads, heads_first=True)
-        return Output(out, lse, wrote_into_guarded=True)
+        meta = ({"left_out": f"{len(case.segments) - len(kept)} empty segments (their pages "
+                             "and cu_seqlens entries)"} if case.has_empty else {})
+        return Output(out, lse, metadata=meta, wrote_into_guarded=True)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -15,7 +15,7 @@ from mlacheck.backends.aiter import rules
 from mlacheck.backends.aiter.api import (
     AdapterError,
 )
-from mlacheck.backends.base import CaseRule, adapter_choice
+from mlacheck.backends.base import CaseRule
 from mlacheck.spec import Case
 
 MIN_AITER_HEADS = 16  # AITER's MLA kernels and metadata work in groups of 16 query heads
@@ -60,8 +60,6 @@ DECODE_REASONS = {
                   "csrc/py_itfs_cu/asm_mla.cu:419, :715)",
     "layouts": "kv_buffer is [num_page, page_size, num_kv_heads, head_size] "
                "(csrc/py_itfs_cu/asm_mla.cu:646)",
-    "empty_requests": adapter_choice("empty requests are not left out of the call (what the "
-                                     "metadata planner and kernels do with qo_len 0 not read)"),
 }
 PREFILL_PS_REASONS = {
     "q_formats": "mla_prefill_ps_fwd takes fp8 Q and K only ('unsupport Q dtype' / 'unsupport "
@@ -74,8 +72,6 @@ PREFILL_PS_REASONS = {
     "per_token_scales": "q_scale / k_scale / v_scale are fp32 scalars "
                         "(csrc/py_itfs_cu/asm_mla.cu:1104-1106)",
     "soft_cap": "mla_prefill_ps_fwd has no logit cap parameter (aiter/mla.py:1191-1212)",
-    "empty_requests": adapter_choice("empty segments are not left out of the call (qo_len 0 "
-                                     "not read in the ps metadata)"),
 }
 PAGED_PREFILL_REASONS = {
     "q_formats": "mha_batch_prefill takes fp16, bf16 or fp8_e4m3 q, k and v of one dtype "
@@ -85,8 +81,6 @@ PAGED_PREFILL_REASONS = {
                   "csrc/py_itfs_ck/mha_batch_prefill_kernels.cu:447-448)",
     "format_pairs": "k and v have q's dtype (csrc/py_itfs_ck/mha_batch_prefill_kernels.cu:"
                     "447-448)",
-    "empty_requests": adapter_choice("empty segments are not left out of the call (what "
-                                     "mha_batch_prefill does with one not read)"),
 }
 
 
@@ -184,7 +178,7 @@ def folded_heads_need_uniform_q_len(gfx: str) -> CaseRule:
     qo_indptr at the pseudo-batch index (b * fold + f): out of bounds for mixed MTP lengths."""
 
     def rule(case: Case) -> str | None:
-        lens = set(case.q_lengths)
+        lens = {n for n in case.q_lengths if n}  # empty requests are left out of the call
         if len(lens) == 1 or case.sparse:  # sparse: every token a pseudo-request of q_len 1
             return None
         padded = head_padding(case.num_heads).padded

@@ -119,6 +119,17 @@ def test_in_pages_of_keeps_every_slot() -> None:
         t.in_pages_of(3)
 
 
+def test_of_requests_keeps_their_pages_in_order() -> None:
+    """The table a call gets when other requests are left out: the same physical pages."""
+    t = PageTable(16, torch.tensor([0, 1, 3, 4, 4]), torch.tensor([5, 2, 9, 0]),
+                  torch.tensor([16, 17, 1, 0]))
+    sub = t.of_requests([1, 2])
+    assert sub.indptr.tolist() == [0, 2, 3] and sub.indices.tolist() == [2, 9, 0]
+    assert sub.kv_lens.tolist() == [17, 1]
+    assert all(torch.equal(sub.slots_of(i), t.slots_of(r)) for i, r in enumerate([1, 2]))
+    assert t.of_requests([]).batch == 0 and t.of_requests(range(4)).same_as(t)
+
+
 def test_same_as_detects_differences() -> None:
     t, _ = _table(16)
     other = PageTable(16, t.indptr.clone(), t.indices.flip(0), t.kv_lens.clone())

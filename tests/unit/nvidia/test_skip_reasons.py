@@ -37,10 +37,6 @@ SOURCE = re.compile(r"[\w./-]+\.(?:py|cu|cuh|h|hpp|cpp|csv)\b|\bmeasured\b")
 ADAPTER_OMISSIONS: dict[tuple[str, str], str] = {
     ("flashinfer 0.7", Op.TOPK): "flashinfer.top_k: its JIT build never finished on the H100",
     ("flashinfer-fa3 0.7", Op.TOPK): "as flashinfer",
-    **{(name, op): "empty requests / segments not left out of the call"
-       for name in ("aiter gfx950", "aiter gfx942", "aiter non-persistent")
-       for op in (Op.DECODE, Op.SPARSE_DECODE, Op.PAGED_PREFILL)},
-    ("aiter gfx950", Op.PREFILL): "empty segments not left out of the call",
     **{(name, Op.INDEX_CONVERSION): "the conversion is the adapter's own, one layout"
        for name in ("aiter gfx950", "aiter gfx942", "aiter non-persistent")},
 }
