@@ -433,6 +433,11 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
         where += found
         if lse_bad is not None:
             failing |= lse_bad.reshape(failing.shape)
+    elif wants_lse and output.lse is None and case.requires_lse:
+        # only a backend whose capability takes LSE runs such a case (Capability.why_not):
+        # an LSE it declared and did not hand back is its failure, never a silent pass
+        checks.append(Check("lse", False, detail="the case requires the LSE and the backend's "
+                                                 "capability declares one, but it returned none"))
     elif wants_lse and output.lse is None:
         checks.append(Check("lse", True, detail="backend returns no LSE (capability); not checked"))
 

@@ -99,6 +99,23 @@ def test_base2_lse_fails() -> None:
     assert v.status == FAIL and v.reason == "lse"
 
 
+def test_a_required_lse_the_backend_does_not_return_fails() -> None:
+    """A prefill that asks for the LSE runs only on a backend whose capability declares one;
+    an adapter that then drops it passed as "not checked" before. A decode LSE stays optional."""
+    def drop(res: Output, inputs) -> None:  # noqa: ANN001
+        res.lse = None
+
+    assert PREFILL.requires_lse
+    v = run(Planted(drop), PREFILL)
+    assert v.status == FAIL, v.summary()
+    assert [c.passed for c in v.checks if c.name == "lse"] == [False]
+    assert not DECODE.requires_lse
+    v = run(Planted(drop), DECODE)
+    assert v.status == PASS, v.summary()
+    assert [c.detail for c in v.checks if c.name == "lse"] == [
+        "backend returns no LSE (capability); not checked"]
+
+
 def test_wrong_shape_fails_cleanly() -> None:
     def edit(res: Output, inputs) -> None:  # noqa: ANN001
         res.out = res.out[:, :8]
