@@ -433,13 +433,18 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
         where += found
         if lse_bad is not None:
             failing |= lse_bad.reshape(failing.shape)
-    elif wants_lse and output.lse is None and case.requires_lse:
+    elif wants_lse and output.lse is None and case.requires_lse and not output.metadata.get("lse"):
         # only a backend whose capability takes LSE runs such a case (Capability.why_not):
-        # an LSE it declared and did not hand back is its failure, never a silent pass
+        # an LSE it declared and dropped without saying why (Output.metadata["lse"], e.g. the
+        # AITER adapter's note on a library version whose LSE is known wrong) is its failure,
+        # never a silent pass
         checks.append(Check("lse", False, detail="the case requires the LSE and the backend's "
-                                                 "capability declares one, but it returned none"))
+                                                 "capability declares one, but it returned none "
+                                                 "and said no reason"))
     elif wants_lse and output.lse is None:
-        checks.append(Check("lse", True, detail="backend returns no LSE (capability); not checked"))
+        why = output.metadata.get("lse")
+        checks.append(Check("lse", True, detail="backend returns no LSE (capability); not checked"
+                                                + (f": {why}" if why else "")))
 
     # Guard rows around the output buffer.
     if output.wrote_into_guarded:

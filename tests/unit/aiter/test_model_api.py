@@ -218,8 +218,10 @@ class ModelBackend:
             bufs["reduce_partial_map"], qo, kvp, ctx, heads, work_info_set=bufs["work_info_set"],
             is_causal=case.causal, info_sizes=info, reduce_single_partials=fixed)
         self.last_schedule = {**bufs, "lse": lse}
-        return Output(out, lse if fixed else None, metadata={"validation": problems},
-                      wrote_into_guarded=True)
+        meta: dict[str, Any] = {"validation": problems}
+        if not fixed:  # as the adapter says it (mlacheck/backends/aiter/adapter.py)
+            meta["lse"] = "AITER main returns the partial-LSE buffer: LSE not checked"
+        return Output(out, lse if fixed else None, metadata=meta, wrote_into_guarded=True)
 
     def _paged_prefill(self, case: PrefillCase, inputs: PrefillInputs) -> Output:
         assert inputs.k_pool is not None and inputs.v_pool is not None
