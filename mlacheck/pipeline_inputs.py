@@ -31,6 +31,7 @@ from mlacheck.inputs import (
 from mlacheck.kvcache import Guarded, KVPool, PageTable
 from mlacheck.ops import Op
 from mlacheck.spec import (
+    Case,
     IndexConversionCase,
     IndexerCase,
     PagedIndexerCase,
@@ -282,16 +283,24 @@ class TopkInputs:
         return self.qo_indptr.tolist()
 
 
-def build_topk(case: TopkCase, device: torch.device | str = "cpu") -> TopkInputs:
-    starts, ends = [], []
-    k0 = 0
+def topk_rows(case: Case) -> tuple[int, list[tuple[int, int]]]:
+    """The top-k rows' width and each query row's window [start, end) of finite logits (-inf
+    outside): `decode` request-local rows as wide as the longest request, `prefill`
+    batch-wide rows of every request's keys; a row sees its unit's causal prefix. A top-k
+    stage of the composed path (SparsePipelineCase) has the decode form."""
+    windows, k0 = [], 0
+    prefill = getattr(case, "form", "decode") == "prefill"
     for r in case.requests:
-        for j in range(r.q_len):
-            base = k0 if case.form == "prefill" else 0
-            starts.append(base)
-            ends.append(base + r.kv_len - r.q_len + j + 1)
+        base = k0 if prefill else 0
+        windows += [(base, base + r.kv_len - r.q_len + j + 1) for j in range(r.q_len)]
         k0 += r.kv_len
-    width = case.total_kv if case.form == "prefill" else max(case.kv_lengths)
+    return (case.total_kv if prefill else max(case.kv_lengths)), windows
+
+
+def build_topk(case: TopkCase, device: torch.device | str = "cpu") -> TopkInputs:
+    width, windows = topk_rows(case)
+    starts = [s for s, _ in windows]
+    ends = [e for _, e in windows]
     t = case.total_q
     x = rng.normal((t, width), rng.stream_key(case.seed_material, "topk_logits"), device)
     if case.logits == "ties":

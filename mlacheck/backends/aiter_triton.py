@@ -79,6 +79,7 @@ from mlacheck.pipeline_inputs import (
     PipelineInputs,
     SparsePrefillInputs,
     TopkInputs,
+    topk_rows,
 )
 from mlacheck.spec import Case, Op
 
@@ -267,19 +268,8 @@ class TopkPlan:
         return TopkPlan(two_stage, chunk, chunks, 1 << (chunks * k - 1).bit_length())
 
 
-def topk_windows(case: Case) -> tuple[int, list[tuple[int, int]]]:
-    """The rows' width and each row's window [start, end) of finite logits, as
-    mlacheck.pipeline_inputs hands them (decode: request-local rows of max kv_len; prefill:
-    batch-wide rows of sum kv_len)."""
-    lengths = list(case.kv_lengths)
-    if getattr(case, "form", "decode") == "prefill":
-        starts = [sum(lengths[:i]) for i in range(len(lengths))]
-        return sum(lengths), [(s, s + n) for s, n in zip(starts, lengths, strict=True)]
-    return max(lengths), [(0, n) for n in lengths]
-
-
 def topk_stage2_rule(case: Case) -> str | None:
-    plan = TopkPlan.of(topk_windows(case)[0], case.topk)
+    plan = TopkPlan.of(topk_rows(case)[0], case.topk)
     if plan.two_stage and plan.stage2 > TOPK_STAGE2_MEASURED_MAX:
         return (f"AITER topk's stage 2 would sort {plan.stage2} elements in one program "
                 f"({plan.chunks} chunks x k {case.topk}; topk.py:108-119, _triton_kernels/"
@@ -294,7 +284,7 @@ def topk_masked_chunk_reaches_stage2(case: Case) -> bool:
     past the row is padded with FILL, _triton_kernels/topk.py:127-131) and goes on to stage 2,
     whose compare-and-swap selects with tl.sum(y * (1 - mask)) (_triton_kernels/topk.py:
     164-168): -inf * 0 = NaN (known.py: aiter-triton-topk-minus-inf-in-stage-2)."""
-    width, windows = topk_windows(case)
+    width, windows = topk_rows(case)
     plan = TopkPlan.of(width, case.topk)
     if not plan.two_stage:
         return False
