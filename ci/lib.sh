@@ -195,7 +195,7 @@ choose_backends() {
 # summary.txt/.md. Sets MATRIX_RC to the gate's exit code (README "Exit codes": 0 pass,
 # 1 FAIL/CRASH/XPASS, 3 suite error, 5 nothing selected, 6 not enough ran) or 2 when mlacheck
 # could not run at all (bad environment or usage, no verdicts).
-# Knobs read: MATRIX, WORKERS, MARKERS, SHARD, MERGE, TIMEOUT, REQUIRE_OPS, MIN_EXECUTED, ALLOW_XPASS;
+# Knobs read: MATRIX, WORKERS, MARKERS, SHARD, SEED, MERGE, TIMEOUT, REQUIRE_OPS, MIN_EXECUTED, ALLOW_XPASS;
 # uses MODE, RUN_BACKENDS, NOTES, UNUSABLE.
 run_matrix() {
     local out=$1 title=$2
@@ -221,6 +221,7 @@ run_matrix() {
     args+=("${backend_args[@]}")
     if [[ -n ${MARKERS:-} ]]; then args+=(-m "$MARKERS"); fi
     if [[ -n ${SHARD:-} ]]; then args+=(--shard "$SHARD"); fi
+    if [[ -n ${SEED:-} ]]; then args+=(--seed "$SEED"); fi
     local whole=()
     if [[ -n ${MERGE:-} ]]; then
         # the shards' results instead of a run: each word a file or a glob (a glob that

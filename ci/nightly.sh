@@ -53,6 +53,7 @@ ALLOW_XPASS=${ALLOW_XPASS:-0}           # 1: a known failure that passes does no
 VISIBLE_DEVICES=${VISIBLE_DEVICES:-}    # e.g. 0,1,2,3: exported as HIP_/CUDA_VISIBLE_DEVICES
 MARKERS=${MARKERS:-}                    # pytest -m expression (default: all, large_kv included)
 SHARD=${SHARD:-}                        # K/N: only the K-th of N shards (join them with mlacheck merge)
+SEED=${SEED:-}                          # another draw each night, e.g. SEED=$(date +%j) (mlacheck run --seed); default 0
 MERGE=${MERGE:-}                        # shard results files or globs: merge them instead of running (mlacheck merge)
 TIMEOUT=${TIMEOUT:-1800}                # seconds per case
 PYTHON=${PYTHON:-python3}

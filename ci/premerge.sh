@@ -36,6 +36,7 @@ REQUIRE_GPU=${REQUIRE_GPU:-0}           # 1: no GPU is an error (exit 2), not a 
 VISIBLE_DEVICES=${VISIBLE_DEVICES:-}    # e.g. 0,1,2,3: exported as HIP_/CUDA_VISIBLE_DEVICES
 MARKERS=${MARKERS:-}                    # pytest -m expression, e.g. "not large_kv"
 SHARD=${SHARD:-}                        # K/N: only the K-th of N shards (join them with mlacheck merge)
+SEED=${SEED:-}                          # another draw of the same matrix (mlacheck run --seed); default 0
 MERGE=${MERGE:-}                        # shard results files or globs: merge them instead of running (mlacheck merge)
 TIMEOUT=${TIMEOUT:-600}                 # seconds per case (pytest-timeout); a hang is a failure
 REQUIRE_OPS=${REQUIRE_OPS:-}            # e.g. mla_decode,mla_prefill: each backend must run one

@@ -444,3 +444,14 @@ def test_premerge_merges_the_shards_of_a_split_run(tmp_path: Path, tiny: Path) -
     assert r.returncode == 6, r.stdout[-3000:] + r.stderr
     assert "gate: INCOMPLETE: shard(s) 2/2 missing (1 of 2 merged)" in r.stdout
     assert "result: NOT ENOUGH RAN" in r.stdout
+
+
+def test_premerge_seed_knob_draws_another_sample(tmp_path: Path, tiny: Path) -> None:
+    """SEED=N passes --seed N: a nightly can take a new draw each night, recorded per case
+    (the tiny matrix's cases have seed 0, so each case's seed is the offset itself)."""
+    r = run_script("premerge.sh", {"MATRIX": str(tiny), "SEED": "3"}, tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    assert " --seed 3" in r.stdout
+    results = (tmp_path / "artifacts" / "results.jsonl").read_text().splitlines()
+    seeds = [json.loads(x)["case"]["seed"] for x in results if '"case_id"' in x]
+    assert len(seeds) >= 3 and set(seeds) == {3}, seeds
