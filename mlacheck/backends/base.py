@@ -44,6 +44,17 @@ def adapter_choice(why: str) -> str:
     """A SKIP reason that is the adapter's choice (see ADAPTER_CHOICE)."""
     return f"{ADAPTER_CHOICE} {why}"
 
+
+# A SKIP that is the machine's (the library missing, no fitting GPU, a prebuilt module not
+# installed): `Backend.unavailable()` reasons, or an op's refusal that only the machine's setup
+# decides. The coverage tables count it as SKIP-by-machine, neither kernel nor adapter.
+UNAVAILABLE = "unavailable:"
+
+
+def machine_setup(why: str) -> str:
+    """A SKIP reason that is the machine's (see UNAVAILABLE)."""
+    return f"{UNAVAILABLE} {why}"
+
 # A per-case rule no single field can say: None when the case is fine, else the reason.
 CaseRule = Callable[[Case], "str | None"]
 
@@ -208,7 +219,7 @@ def skip_reason(backend: Backend, case: Case, device: str) -> str | None:
     # The reason alone: reports and the terminal already group skips by backend and op.
     why = backend.unavailable()
     if why:
-        return f"unavailable: {why}"
+        return machine_setup(why)
     cap = backend.capabilities().get(case.op)
     if cap is None:
         return f"does not provide op {case.op}"

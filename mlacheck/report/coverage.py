@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlacheck.backends.base import ADAPTER_CHOICE
+from mlacheck.backends.base import ADAPTER_CHOICE, UNAVAILABLE
 from mlacheck.report.load import read_results
 from mlacheck.verdict import Verdict
 
@@ -35,7 +35,7 @@ COLUMNS = (EXECUTED, KERNEL, ADAPTER, MACHINE, SUITE)
 # loader): the adapter's side, not a kernel limit.
 ADAPTER_MARKS = (ADAPTER_CHOICE, "does not provide op", "has no parameter", "requires parameter",
                  "positionally only", "installed aiter", "lacks aiter/", "importing AITER's")
-MACHINE_MARKS = ("unavailable:", "case needs ")
+MACHINE_MARKS = (UNAVAILABLE, "case needs ")
 
 
 def skip_class(reason: str) -> str:
