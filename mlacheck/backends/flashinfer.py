@@ -23,6 +23,11 @@
   request with its own index list. The kernel returns out and LSE, not the max scaled score:
   the verdict's `implementation` says max_logits is not produced, and the judge does not check
   it (mlacheck.pipeline_judge); it is never recomputed here from q and K.
+- topk_indices (0.7.x): `flashinfer.top_k_ragged_transform` over mlacheck's logit rows as they
+  are (decode rows from column 0; prefill rows with row_starts = each row's window start), so
+  the positions come back request-local, -1 past a row's window. Only from FlashInfer's
+  prebuilt (AOT) top-k module: its JIT build takes minutes, which no item may start (a7167f4);
+  where it is not installed the op is the machine's SKIP naming the tool that builds it.
 
 Versions: written for flashinfer-python 0.2.14.post1 and 0.7.x (the same wrapper keywords).
 What differs is read from the installed library: 0.7.x's MLA `plan` takes
@@ -61,7 +66,7 @@ from typing import Any
 import torch
 
 from mlacheck import layouts
-from mlacheck.backends.base import Capability, CaseRule, Output, adapter_choice
+from mlacheck.backends.base import Capability, CaseRule, Output, adapter_choice, machine_setup
 from mlacheck.backends.toolkit import (
     LibraryAdapter,
     Loaded,
@@ -73,8 +78,16 @@ from mlacheck.backends.toolkit import (
     topk_to_global_slots,
 )
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
-from mlacheck.pipeline_inputs import SparsePrefillInputs
-from mlacheck.spec import Case, DecodeCase, Op, PrefillCase, SparseDecodeCase, SparsePrefillCase
+from mlacheck.pipeline_inputs import SparsePrefillInputs, TopkInputs
+from mlacheck.spec import (
+    Case,
+    DecodeCase,
+    Op,
+    PrefillCase,
+    SparseDecodeCase,
+    SparsePrefillCase,
+    TopkCase,
+)
 
 MODULE = "flashinfer"
 DISTRIBUTIONS = ("flashinfer-python", "flashinfer")
@@ -106,6 +119,7 @@ CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
         "logits_soft_cap", "sm_scale", "q_data_type", "kv_data_type"),
     "prefill.BatchPrefillWithPagedKVCacheWrapper.run": (
         "q", "paged_kv_cache", "out", "return_lse"),
+    "top_k_ragged_transform": ("input", "offsets", "lengths", "k", "row_starts"),
 }
 OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
     Op.DECODE: tuple(k for k in CALLED_PARAMETERS if k.startswith("mla.")),
@@ -113,6 +127,7 @@ OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
     Op.SPARSE_PREFILL: tuple(k for k in CALLED_PARAMETERS if k.startswith("mla.")),
     Op.PREFILL: tuple(k for k in CALLED_PARAMETERS if k.startswith("prefill.BatchPrefillWithRagged")),
     Op.PAGED_PREFILL: tuple(k for k in CALLED_PARAMETERS if k.startswith("prefill.BatchPrefillWithPaged")),
+    Op.TOPK: ("top_k_ragged_transform",),
 }
 # FP8 KV in the MLA decode (0.7.x): extra keywords of plan / run, used only when present.
 FP8_PLAN_PARAMETER = "scale_mode"
@@ -298,19 +313,29 @@ SPARSE_PREFILL_COMPOSITION = (
     "page-size-1 pool (slot = row), every query token its own request over its own index list")
 NO_MAX_LOGITS = ("not produced: BatchMLAPagedAttentionWrapper.run returns out and LSE only "
                  "(return_lse); not checked")
-# The top-k of a score row as indices: 0.7.x's flashinfer.top_k (topk.py:876 in 0.7.2.post1);
-# older lines' top-k functions (0.2.14.post1's sampling.py:727, :1185, :1249) return samples,
-# renormalised probabilities or masked logits, never the indices.
-TOP_K_FUNCTION = "top_k"
-# Where the library has it: wired once (831f9a8) and reverted (a7167f4), its JIT module (not in
-# the prebuilt archive) had not finished building after minutes on the H100.
-TOP_K_NOT_WIRED = adapter_choice(
-    "flashinfer.top_k / top_k_ragged_transform (topk.py:876, :1330 in 0.7.2.post1) not wired: "
-    "their JIT module never finished building inside an H100 run (a7167f4)")
+# topk_indices: 0.7.x's top_k_ragged_transform (topk.py:1330 in 0.7.2.post1), the top-k of each
+# row's window [row_starts, row_starts + lengths) as positions relative to row_starts (plus
+# offsets, 0 here), -1 past the window, int32 [rows, k]. Its radix and CUB paths have no arch
+# requirement; only the clusters path is SM100 (can_use_clusters_topk). Older lines' top-k
+# functions (0.2.14.post1's sampling.py:727, :1185, :1249) return samples, renormalised
+# probabilities or masked logits, never the indices.
+TOP_K_FUNCTION = OP_FUNCTIONS[Op.TOPK][0]
 NO_TOP_K_REASON = ("{version} has no top-k index kernel: its top_k_sampling_from_probs / "
                    "top_k_renorm_probs / top_k_mask_logits (flashinfer/sampling.py:727, :1185, "
                    ":1249 in 0.2.14.post1) return samples, probabilities or masked logits, not "
-                   "indices (flashinfer.top_k came later: topk.py:876 in 0.7.2.post1)")
+                   "indices (top_k_ragged_transform came later: topk.py:1330 in 0.7.2.post1)")
+# Every function of topk.py runs one JIT module, `topk`: get_topk_module() (topk.py:66-67) is
+# gen_topk_module().build_and_load() (jit/topk.py:21). build_and_load loads it without
+# compiling only from its AOT path (JitSpec.try_load, jit/core.py:536-570: `aot_artifacts`,
+# flashinfer/data/aot/topk/topk.so, jit/env.py:296-300); otherwise it builds it (jit/core.py:
+# 337-358), which on the H100 had not finished after 240 s and held a nightly's top-k items
+# past its 600 s (a7167f4). So the adapter calls the top-k only where that module is prebuilt
+# (mlacheck.tools.flashinfer_prebuild installs it); elsewhere the op is the machine's SKIP.
+TOP_K_MODULE = "jit.topk.gen_topk_module"  # the generator, a dotted name under `flashinfer`
+TOP_K_NOT_PREBUILT = machine_setup(
+    "FlashInfer's top-k JIT module is not prebuilt here ({where}); building it takes minutes, "
+    "not started inside an item (topk.py:66-67 builds it on first use; a7167f4): "
+    "python -m mlacheck.tools.flashinfer_prebuild --topk-only (docs/flashinfer.md)")
 
 
 def has_function(got: Loaded, dotted: str) -> bool:
@@ -322,6 +347,19 @@ def has_function(got: Loaded, dotted: str) -> bool:
     except ImportError:
         return False
     return hasattr(owner, name)
+
+
+def top_k_module_missing(got: Loaded) -> str | None:
+    """None where FlashInfer's top-k module is installed as a prebuilt (AOT) module, else the
+    machine's SKIP reason (TOP_K_MODULE): the spec's `aot_path` is where build_and_load looks
+    first (and what build_jit_specs(skip_prebuilt=True) checks, jit/core.py:838)."""
+    module, _, name = TOP_K_MODULE.rpartition(".")
+    try:
+        spec = getattr(importlib.import_module(f"{got.module.__name__}.{module}"), name)()
+        aot = spec.aot_path
+    except Exception as e:  # noqa: BLE001 - the generator checks the GPU: a one-line reason
+        return TOP_K_NOT_PREBUILT.format(where=f"{TOP_K_MODULE}: {type(e).__name__}: {e}"[:200])
+    return None if aot.exists() else TOP_K_NOT_PREBUILT.format(where=f"no {aot}")
 
 
 def gpu_arch() -> tuple[int, int] | None:
@@ -398,6 +436,7 @@ class FlashInferBackend(LibraryAdapter):
         self.kernel = kernel  # FlashInfer's `backend` argument: fa2 or fa3
         self.name = name
         self._workspace: torch.Tensor | None = None
+        self._top_k_setup: tuple[str | None] | None = None  # (top_k_module_missing,), once
 
     def import_library(self) -> Loaded | str:
         return load()
@@ -427,7 +466,7 @@ class FlashInferBackend(LibraryAdapter):
             reasons={**reasons, "layouts": DECODE_LAYOUT_REASON})
         prefill = {op: self._prefill_formats(got, op) for op in (Op.PREFILL, Op.PAGED_PREFILL)}
         return {
-            **self._sparse_path(got),
+            **self._sparse_path(got, problem[Op.TOPK]),
             Op.DECODE: Capability(
                 **decode, causal=(True,), refusal=problem[Op.DECODE],
                 rules=self._decode_rules(got),
@@ -465,17 +504,30 @@ class FlashInferBackend(LibraryAdapter):
             return ()
         return (causal_tile_rule(got.version, self.kernel, smem_per_sm()),)
 
-    @staticmethod
-    def _sparse_path(got: Loaded) -> dict[str, Capability]:
-        """The DeepSeek-V3.2 sparse-path ops FlashInfer has no kernel for here, each refused with
-        the library's reason (topk_indices only where the library has no top-k index kernel)."""
+    def _sparse_path(self, got: Loaded, topk_problem: str | None) -> dict[str, Capability]:
+        """The DeepSeek-V3.2 sparse-path ops: the top-k where the library has its kernel (0.7.x)
+        and its module is prebuilt here, the others refused with the library's reason."""
         arch = gpu_arch()
         caps = {op: Capability(refusal=sparse_path_refusal(got, kernel, arch))
                 for op, kernel in SPARSE_PATH_KERNELS.items()}
         caps[Op.INDEX_CONVERSION] = Capability(refusal=INDEX_CONVERSION_REASON)
-        caps[Op.TOPK] = Capability(refusal=NO_TOP_K_REASON.format(version=got.version)
-                                   if not has_function(got, TOP_K_FUNCTION) else TOP_K_NOT_WIRED)
+        caps[Op.TOPK] = Capability(
+            empty_requests=True, devices=("cuda",), refusal=self._topk_refusal(got, topk_problem),
+            notes=f"{TOP_K_FUNCTION}: decode rows from column 0, prefill rows with row_starts = "
+                  "each row's window start, offsets 0 (positions request-local); -1 past a "
+                  "row's window; from the prebuilt top-k module only")
         return caps
+
+    def _topk_refusal(self, got: Loaded, problem: str | None) -> str | None:
+        """The library's (no top-k index kernel, a changed signature), else the machine's (its
+        module not prebuilt: asked once per backend, the generator's spec is not free)."""
+        if not has_function(got, TOP_K_FUNCTION):
+            return NO_TOP_K_REASON.format(version=got.version)
+        if problem:
+            return problem
+        if self._top_k_setup is None:
+            self._top_k_setup = (top_k_module_missing(got),)
+        return self._top_k_setup[0]
 
     def _prefill_formats(self, got: Loaded, op: str) -> tuple[dict[str, Any], str]:
         """The format fields of a prefill op's Capability (with their reasons) and a note: 16-bit
@@ -515,7 +567,7 @@ class FlashInferBackend(LibraryAdapter):
             raise RuntimeError(got)
         op_run = {Op.PREFILL: self._prefill, Op.PAGED_PREFILL: self._paged_prefill,
                   Op.DECODE: self._decode, Op.SPARSE_DECODE: self._sparse,
-                  Op.SPARSE_PREFILL: self._sparse_prefill}[case.op]
+                  Op.SPARSE_PREFILL: self._sparse_prefill, Op.TOPK: self._topk}[case.op]
         out = op_run(got, case, inputs)  # type: ignore[operator]
         out.metadata.setdefault("flashinfer", {}).update(version=got.version, kernel=self.kernel)
         return out
@@ -590,6 +642,20 @@ class FlashInferBackend(LibraryAdapter):
         out.metadata["flashinfer"].update(composition=SPARSE_PREFILL_COMPOSITION,
                                           max_logits=NO_MAX_LOGITS)
         return out
+
+    def _topk(self, got: Loaded, case: TopkCase, inputs: TopkInputs) -> Output:
+        """top_k_ragged_transform over mlacheck's FP32 logit rows (pipeline_inputs.TopkInputs):
+        each row's window is [k_start, k_end); the prefill form's batch-wide rows start their
+        window at the request's first column, so positions relative to it are request-local."""
+        lengths = inputs.lengths.to(torch.int32).contiguous()
+        prefill = case.form == "prefill"
+        out = got.function(TOP_K_FUNCTION)(
+            input=inputs.logits.contiguous(), offsets=torch.zeros_like(lengths), lengths=lengths,
+            k=case.topk,
+            row_starts=inputs.k_start.to(torch.int32).contiguous() if prefill else None)
+        return Output(out, metadata={"flashinfer": {"topk": (
+            f"{TOP_K_FUNCTION}, {'row_starts = window starts' if prefill else 'rows from 0'}, "
+            "offsets 0, prebuilt module")}})
 
     def _prefill(self, got: Loaded, case: PrefillCase, inputs: PrefillInputs) -> Output:
         dev = inputs.device

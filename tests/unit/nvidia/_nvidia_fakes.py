@@ -16,6 +16,7 @@ import math
 import sys
 import types
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -174,7 +175,7 @@ def fake_flash_mla(bug: str = "") -> types.ModuleType:
 # --------------------------------------------------------------------------- flashinfer
 
 
-def fake_flashinfer(bug: str = "", version: str = "0.2.14"
+def fake_flashinfer(bug: str = "", version: str = "0.2.14", topk_prebuilt: bool = True
                     ) -> dict[str, types.ModuleType | None]:
     """FlashInfer's MLA wrapper and ragged / paged prefill wrappers with the signatures of
     `version`: "0.2.14" (flashinfer-python 0.2.14.post1: no FP8 MLA; the fa2 paged prefill
@@ -182,7 +183,9 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14"
     (0.7.2.post1: `plan(scale_mode=)` and `run(ckv_scale=, kpe_scale=)` for an fp8_e4m3fn KV
     cache under bf16 q; unequal K/V strides taken; the prefills' `run(k_scale=, v_scale=)` for
     FP8 K/V under a 16-bit q, as flashinfer/prefill.py applies them: k_scale into sm_scale, the
-    output times v_scale after the kernel; FP8 q refused by fa2's JIT generator)."""
+    output times v_scale after the kernel; FP8 q refused by fa2's JIT generator; the ragged
+    top-k, whose JIT module `topk` is installed as a prebuilt (AOT) module unless
+    `topk_prebuilt=False`)."""
     root, mla, prefill = (types.ModuleType(n) for n in
                           ("flashinfer", "flashinfer.mla", "flashinfer.prefill"))
     root.__version__ = f"{version}+fake"
@@ -405,7 +408,8 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14"
     private = ("flashinfer.mla._batch_mla", "flashinfer.mla._batch_mla._backends",
                "flashinfer.mla._batch_mla._backends._fa_common")
     if not new_api:  # None in sys.modules: importing it fails, whatever a 0.7 fake left there
-        return {**modules, "flashinfer.dense_mqa": None, **dict.fromkeys(private)}
+        return {**modules, "flashinfer.dense_mqa": None, "flashinfer.jit": None,
+                "flashinfer.jit.topk": None, **dict.fromkeys(private)}
     # 0.7's sparse-path entry points (never called by the adapter: no sm_90 kernel) and the
     # private module whose causal check the adapter mirrors
     dense_mqa = types.ModuleType("flashinfer.dense_mqa")
@@ -413,7 +417,34 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14"
                          (root, "top_k"), (root, "top_k_page_table_transform")):
         setattr(holder, name, _not_called(name))
     root.dense_mqa = dense_mqa
-    return {**modules, "flashinfer.dense_mqa": dense_mqa,
+    # the top-k's JIT module (jit/topk.py:21): an existing file stands for its installed .so
+    aot = Path(__file__) if topk_prebuilt else Path(__file__).parent / "no-aot/topk/topk.so"
+    jit, jit_topk = types.ModuleType("flashinfer.jit"), types.ModuleType("flashinfer.jit.topk")
+    jit_topk.gen_topk_module = lambda: types.SimpleNamespace(name="topk", aot_path=aot)
+    root.jit, jit.topk = jit, jit_topk
+
+    def top_k_ragged_transform(input, offsets, lengths, k, deterministic=False, tie_break=0,  # noqa: A002, ANN001, ANN202
+                               dsa_graph_safe=False, row_starts=None):
+        """topk.py:1330 (0.7.2.post1): per row the top k of input[i, start : start + length],
+        positions relative to start, plus offsets[i]; -1 past the length; int32 [rows, k], in
+        no particular order (here: the window's last first). `bug="topk-absolute-positions"`
+        returns the column instead of the position relative to row_starts. Without the
+        prebuilt module the real one first builds it (minutes): here that fails the test."""
+        assert topk_prebuilt, "the adapter called the top-k without its prebuilt module"
+        assert input.is_contiguous() and lengths.dtype == offsets.dtype == torch.int32
+        out = torch.full((input.shape[0], k), -1, dtype=torch.int32)
+        for i in range(input.shape[0]):
+            start = 0 if row_starts is None else int(row_starts[i])
+            window = input[i, start: start + int(lengths[i])]
+            picked = torch.topk(window, min(k, window.numel())).indices.flip(0)
+            if bug == "topk-absolute-positions":
+                picked = picked + start
+            out[i, : picked.numel()] = (picked + int(offsets[i])).to(torch.int32)
+        return out
+
+    root.top_k_ragged_transform = top_k_ragged_transform
+    return {**modules, "flashinfer.dense_mqa": dense_mqa, "flashinfer.jit": jit,
+            "flashinfer.jit.topk": jit_topk,
             **{name: types.ModuleType(name) for name in private[:-1]}, private[-1]: fa_common}
 
 

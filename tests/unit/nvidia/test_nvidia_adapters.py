@@ -411,13 +411,13 @@ def test_flashinfer_sparse_path_skips_are_kernel_limits_on_an_h100(
 def test_flashinfer_07_sparse_path_on_a_gpu_with_the_kernel_is_the_adapters_choice(
         monkeypatch: pytest.MonkeyPatch, premerge_case_of: dict) -> None:
     """On sm_100 FlashInfer 0.7 has the indexer logits: not wiring them is the adapter's SKIP;
-    topk_indices stays the adapter's (flashinfer.top_k exists) and 0.2.14's is a kernel limit."""
+    0.2.14 has no top-k index kernel: a kernel limit."""
     from mlacheck.report.coverage import ADAPTER, KERNEL
 
     install(monkeypatch, fake_flashinfer(version="0.7"))
     monkeypatch.setattr(flashinfer, "gpu_arch", lambda: (10, 0))
     backend = on_cpu(flashinfer.FlashInferBackend("fa2"))
-    ops = (Op.MQA_LOGITS, Op.PAGED_MQA_LOGITS, Op.SPARSE_PIPELINE, Op.TOPK)
+    ops = (Op.MQA_LOGITS, Op.PAGED_MQA_LOGITS, Op.SPARSE_PIPELINE)
     columns = _coverage_column([run_case(premerge_case_of[op], backend, RunOptions("cpu"))
                                 for op in (*ops, Op.INDEX_CONVERSION)])
     assert {op: columns["flashinfer", op] for op in ops} == dict.fromkeys(ops, ADAPTER)
@@ -499,3 +499,59 @@ def test_flashinfer_07_fa2_16_bit_tile_needs_the_gpus_shared_memory(
                      page_size=64, quant=Quant("bf16", "fp8_e4m3fn", "unit"))
     v = run_case(fp8, backend, RunOptions("cpu"))
     assert v.status == "SKIP" and "key 64 starts a 32-key KV tile" in v.reason, v.reason
+
+
+@pytest.mark.parametrize("form", ["decode", "prefill"])
+@pytest.mark.parametrize("logits", ["distinct", "ties"])
+def test_flashinfer_07_topk_runs_through_top_k_ragged_transform(
+        monkeypatch: pytest.MonkeyPatch, premerge_case_of: dict, form: str, logits: str) -> None:
+    """With the top-k module prebuilt, both row forms (request-local rows; batch-wide rows with
+    each row's window start as row_starts) PASS against a faithful fake; a fake returning
+    columns instead of positions relative to row_starts FAILs the prefill form (the decode
+    form's rows start at 0)."""
+    base = premerge_case_of[Op.TOPK]
+    case = replace(base, form=form, logits=logits,
+                   requests=(Request(2, 300), Request(0, 50), Request(3, 2100)))
+    install(monkeypatch, fake_flashinfer(version="0.7"))
+    v = run_case(case, on_cpu(flashinfer.FlashInferBackend("fa2")), RunOptions("cpu"))
+    assert v.status == "PASS", v.reason
+    assert v.implementation["flashinfer"]["topk"].startswith("top_k_ragged_transform")
+    install(monkeypatch, fake_flashinfer("topk-absolute-positions", version="0.7"))
+    v = run_case(case, on_cpu(flashinfer.FlashInferBackend("fa2")), RunOptions("cpu"))
+    assert v.status == ("FAIL" if form == "prefill" else "PASS"), v.reason
+
+
+@pytest.mark.parametrize("kernel", ["fa2", "fa3"])
+def test_flashinfer_07_topk_without_the_prebuilt_module_is_the_machines_skip(
+        monkeypatch: pytest.MonkeyPatch, premerge_case_of: dict, kernel: str) -> None:
+    """No prebuilt top-k module: the adapter does not call the top-k (the real one would build
+    its JIT module inside the item, minutes; the fake fails if called) and the SKIP is the
+    machine's, naming where the module was looked for and the tool that builds it."""
+    from mlacheck.report.coverage import MACHINE
+
+    install(monkeypatch, fake_flashinfer(version="0.7", topk_prebuilt=False))
+    backend = on_cpu(flashinfer.FlashInferBackend(kernel))
+    v = run_case(premerge_case_of[Op.TOPK], backend, RunOptions("cpu"))
+    assert v.status == "SKIP", v.reason
+    assert "top-k JIT module is not prebuilt here (no " in v.reason, v.reason
+    assert "no-aot/topk/topk.so" in v.reason and "flashinfer_prebuild --topk-only" in v.reason
+    assert _coverage_column([v]) == {(backend.name, Op.TOPK): MACHINE}
+
+
+def test_flashinfer_07_topk_when_the_module_cannot_be_asked_is_the_machines_skip(
+        monkeypatch: pytest.MonkeyPatch, premerge_case_of: dict) -> None:
+    """The generator checks the GPU first (check_cuda_arch, jit/core.py:122): its error is the
+    machine's one-line reason, never a crash or a build."""
+    from mlacheck.report.coverage import MACHINE
+
+    modules = fake_flashinfer(version="0.7")
+
+    def no_gpu() -> None:
+        raise RuntimeError("FlashInfer requires GPUs with sm75 or higher.")
+
+    monkeypatch.setattr(modules["flashinfer.jit.topk"], "gen_topk_module", no_gpu)
+    install(monkeypatch, modules)
+    v = run_case(premerge_case_of[Op.TOPK], on_cpu(flashinfer.FlashInferBackend("fa2")),
+                 RunOptions("cpu"))
+    assert v.status == "SKIP" and "RuntimeError: FlashInfer requires GPUs" in v.reason, v.reason
+    assert _coverage_column([v]) == {("flashinfer", Op.TOPK): MACHINE}

@@ -35,8 +35,6 @@ SOURCE = re.compile(r"[\w./-]+\.(?:py|cu|cuh|h|hpp|cpp|csv)\b|\bmeasured\b")
 # (backend, op) -> what the adapter does not wire although the library has a kernel for it
 # (docs/gpu-results.md lists them with the reason they stay).
 ADAPTER_OMISSIONS: dict[tuple[str, str], str] = {
-    ("flashinfer 0.7", Op.TOPK): "flashinfer.top_k: its JIT build never finished on the H100",
-    ("flashinfer-fa3 0.7", Op.TOPK): "as flashinfer",
     **{(name, Op.INDEX_CONVERSION): "the conversion is the adapter's own, one layout"
        for name in ("aiter gfx950", "aiter gfx942", "aiter non-persistent")},
 }
