@@ -14,8 +14,14 @@ fa2 prefill runs fp8_e4m3fn K/V under bf16 q (modules of their own). Modules alr
 (an unpacked archive) are not built again (`build_jit_specs(skip_prebuilt=True)`), so a new
 variant costs only its own build, and `--archive` then packs old and new together.
 
+Where the release has a top-k (0.7.x: `flashinfer/jit/topk.py`, one module `topk` that every
+function of `flashinfer/topk.py` loads), that module is built and installed the same way: its
+loader (`get_topk_module`, topk.py:66-67: `gen_topk_module().build_and_load()`) looks at the
+same AOT path first, and the adapter runs `topk_indices` only where it is installed (its JIT
+build takes minutes, a7167f4). `--topk-only` builds it alone, to time it.
+
     python -m mlacheck.tools.flashinfer_prebuild [--archive aot.tar.xz]
-        [--kv-format fp8_e4m3fn] [--prefill-only]   # a subset: e.g. one new variant's modules
+        [--kv-format fp8_e4m3fn] [--prefill-only] | [--topk-only]   # a subset
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlacheck.backends.flashinfer import DECODE_FORMATS, PREFILL_FORMATS
+from mlacheck.backends.flashinfer import DECODE_FORMATS, PREFILL_FORMATS, TOP_K_MODULE
 from mlacheck.spec import MLADims
 
 KERNELS = ("fa2", "fa3")  # the `flashinfer` and `flashinfer-fa3` backends
@@ -39,15 +45,19 @@ PREFILL = "jit.gen_batch_prefill_module"
 # 0.7.x: what `prefill.get_batch_prefill_module` builds for fa2 instead of PREFILL
 FA2_PREFILL_07 = ("prefill._gen_batch_prefill_primary_module",
                   "prefill._gen_batch_prefill_independent_paged_module")
+# 0.7.x: the top-k's one module (jit/topk.py:21, no arguments); absent from 0.2.14.post1
+TOPK = TOP_K_MODULE
 
 
 def variants(dims: MLADims | None = None, *, split_fa2_prefill: bool = False,
-             fp8_kv: bool = False, fp8_kv_prefill: bool = False) -> list[tuple[str, dict[str, Any]]]:
+             fp8_kv: bool = False, fp8_kv_prefill: bool = False,
+             topk: bool = False) -> list[tuple[str, dict[str, Any]]]:
     """(generator, its keyword arguments) for every module the backends' calls select:
     kernel x dtype for MLA decode (+ bf16 q over fp8_e4m3fn KV where the release has it), and
     x soft cap off/on for the batch prefill (ragged and paged runs share a module; 0.7.x's fa2
     splits it in two: `split_fa2_prefill`; + fa2's bf16 q over fp8_e4m3fn K/V: `fp8_kv_prefill`,
-    the pair mlacheck's matrices draw). A generator is a dotted name under `flashinfer`."""
+    the pair mlacheck's matrices draw), + the top-k module (`topk`, 0.7.x; shared by both
+    backends). A generator is a dotted name under `flashinfer`."""
     import torch
 
     dims = dims or MLADims()
@@ -73,6 +83,8 @@ def variants(dims: MLADims | None = None, *, split_fa2_prefill: bool = False,
                         dtype_idx=torch.int32, head_dim_qk=dims.qk_head, head_dim_vo=dims.v_head,
                         pos_encoding_mode=0, use_sliding_window=False,
                         use_logits_soft_cap=soft_cap, use_fp16_qk_reduction=False)))
+    if topk:
+        out.append((TOPK, {}))
     return out
 
 
@@ -93,7 +105,16 @@ def installed_variants() -> list[tuple[str, dict[str, Any]]]:
     fp8_kv = not isinstance(got, str) and adapter.takes_fp8_kv(got)
     fp8_kv_prefill = not isinstance(got, str) and adapter.takes_fp8_kv_prefill(got)
     return variants(split_fa2_prefill=all(hasattr(prefill, g.split(".")[1]) for g in FA2_PREFILL_07),
-                    fp8_kv=fp8_kv, fp8_kv_prefill=fp8_kv_prefill)
+                    fp8_kv=fp8_kv, fp8_kv_prefill=fp8_kv_prefill, topk=has_generator(TOPK))
+
+
+def has_generator(generator: str) -> bool:
+    """The installed release has this generator (`flashinfer.jit.topk` is 0.7.x's)."""
+    try:
+        resolve(generator)
+    except (ImportError, AttributeError):
+        return False
+    return True
 
 
 def resolve(generator: str) -> Any:
@@ -105,23 +126,28 @@ def resolve(generator: str) -> Any:
 
 
 def selected(chosen: list[tuple[str, dict[str, Any]]], kv_format: str | None = None,
-             prefill_only: bool = False) -> list[tuple[str, dict[str, Any]]]:
-    """The variants of one K/V format (an mlacheck format name) and / or of the prefills only."""
+             prefill_only: bool = False, topk_only: bool = False
+             ) -> list[tuple[str, dict[str, Any]]]:
+    """The variants of one K/V format (an mlacheck format name) and / or of the prefills only
+    (neither selects the top-k module: it has no K/V format), or the top-k module only."""
     from mlacheck import fp8
 
+    if topk_only:
+        return [(g, kw) for g, kw in chosen if g == TOPK]
     kv_dtype = fp8.fmt(kv_format).dtype if kv_format else None
     return [(g, kw) for g, kw in chosen
-            if (kv_dtype is None or kw["dtype_kv"] == kv_dtype)
+            if not ((kv_format or prefill_only) and g == TOPK)
+            and (kv_dtype is None or kw["dtype_kv"] == kv_dtype)
             and not (prefill_only and g == MLA)]
 
 
 def prebuild(archive: Path | None = None, kv_format: str | None = None,
-             prefill_only: bool = False) -> list[Path]:
+             prefill_only: bool = False, topk_only: bool = False) -> list[Path]:
     """Build, install as prebuilt modules, optionally archive; returns the installed files."""
     import flashinfer.jit as jit
 
-    specs = [resolve(gen)(**kwargs)
-             for gen, kwargs in selected(installed_variants(), kv_format, prefill_only)]
+    specs = [resolve(gen)(**kwargs) for gen, kwargs
+             in selected(installed_variants(), kv_format, prefill_only, topk_only)]
     if not specs:
         raise SystemExit("flashinfer_prebuild: no module of the installed release fits the selection")
     start = time.monotonic()
@@ -149,9 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--archive", type=Path, help="also write the prebuilt modules to this tar.xz")
     ap.add_argument("--kv-format", help="only the modules of this K/V format (e.g. fp8_e4m3fn)")
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill modules")
+    ap.add_argument("--topk-only", action="store_true",
+                    help="only the top-k module (0.7.x; not with --kv-format / --prefill-only)")
     args = ap.parse_args(argv)
+    if args.topk_only and (args.kv_format or args.prefill_only):
+        ap.error("--topk-only selects one module: not with --kv-format / --prefill-only")
     try:
-        prebuild(args.archive, args.kv_format, args.prefill_only)
+        prebuild(args.archive, args.kv_format, args.prefill_only, args.topk_only)
     except ImportError as e:
         print(f"flashinfer_prebuild: FlashInfer is not importable ({e}); docs/flashinfer.md",
               file=sys.stderr)

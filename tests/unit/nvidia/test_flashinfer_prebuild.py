@@ -45,14 +45,25 @@ def _fake_jit(root: Path) -> types.ModuleType:
     jit.gen_batch_prefill_module = gen_batch_prefill_module
     jit.build_jit_specs = build_jit_specs
     jit.built = built
+    jit.spec = spec
     return jit
 
 
-def _install(monkeypatch, jit: types.ModuleType, prefill: types.ModuleType) -> None:  # noqa: ANN001
+def _fake_jit_topk(jit: types.ModuleType) -> types.ModuleType:
+    """0.7.2.post1's flashinfer/jit/topk.py: gen_topk_module() takes nothing, module `topk`."""
+    topk = types.ModuleType("flashinfer.jit.topk")
+    topk.gen_topk_module = lambda: jit.spec("topk")
+    return topk
+
+
+def _install(monkeypatch, jit: types.ModuleType, prefill: types.ModuleType,  # noqa: ANN001
+             topk: types.ModuleType | None = None) -> None:
+    """A 0.7-like flashinfer with `topk` (flashinfer.jit.topk), else a 0.2.14-like one: that
+    import fails (None in sys.modules)."""
     root = types.ModuleType("flashinfer")
     root.jit, root.prefill = jit, prefill
     for name, mod in (("flashinfer", root), ("flashinfer.jit", jit),
-                      ("flashinfer.prefill", prefill)):
+                      ("flashinfer.prefill", prefill), ("flashinfer.jit.topk", topk)):
         monkeypatch.setitem(sys.modules, name, mod)
 
 
@@ -63,8 +74,12 @@ def test_builds_each_variant_the_backends_select_and_archives_them(tmp_path: Pat
     for gen, kwargs in flashinfer_prebuild.installed_variants():
         # every keyword is a real parameter of the generator it goes to
         inspect.signature(flashinfer_prebuild.resolve(gen)).bind(**kwargs)
+    assert flashinfer_prebuild.TOPK not in dict(flashinfer_prebuild.installed_variants())
     installed = flashinfer_prebuild.prebuild(tmp_path / "aot.tar.xz")
     assert len(installed) == len(set(jit.built)) == 12  # fa2/fa3 x bf16/fp16 x (decode + 2 prefill)
+    assert "topk" not in jit.built  # 0.2.14 has no top-k module
+    with pytest.raises(SystemExit):  # nothing to build: said, not an empty archive
+        flashinfer_prebuild.main(["--topk-only"])
     assert {p.read_bytes().decode() for p in installed} == set(jit.built)
     assert "mla_fa3_bfloat16_bfloat16_512_64" in jit.built and "prefill_fa2_float16_192_128_capTrue" in jit.built
     with tarfile.open(tmp_path / "aot.tar.xz") as tar:
@@ -146,3 +161,45 @@ def test_a_selection_builds_only_its_modules(tmp_path: Path, monkeypatch) -> Non
     monkeypatch.setattr(adapter, "takes_fp8_kv", lambda got: False)
     with pytest.raises(SystemExit):
         flashinfer_prebuild.main(["--kv-format", "fp8_e4m3fn"])
+
+
+def test_07_builds_and_installs_the_topk_module_alone_or_with_the_rest(
+        tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """0.7.x's top-k module is in the full build, installed at its aot_path like the attention
+    modules (where the adapter looks for it); `--topk-only` builds it alone, and the format /
+    prefill selections leave it out (it has no K/V format)."""
+    from mlacheck.backends import flashinfer
+
+    jit = _fake_jit(tmp_path)
+    _install(monkeypatch, jit, types.ModuleType("flashinfer.prefill"), _fake_jit_topk(jit))
+    adapter = flashinfer_prebuild.adapter_module()
+    monkeypatch.setattr(adapter, "load", lambda: object())
+    monkeypatch.setattr(adapter, "takes_fp8_kv", lambda got: True)
+    monkeypatch.setattr(adapter, "takes_fp8_kv_prefill", lambda got: True)
+    assert (flashinfer_prebuild.TOPK, {}) in flashinfer_prebuild.installed_variants()
+    assert flashinfer_prebuild.main(["--kv-format", "fp8_e4m3fn", "--prefill-only"]) == 0
+    assert flashinfer_prebuild.main(["--prefill-only"]) == 0
+    assert "topk" not in jit.built
+    assert flashinfer_prebuild.main(["--topk-only"]) == 0
+    assert jit.built[-1] == "topk" and jit.built.count("topk") == 1
+    aot = tmp_path / "data" / "aot" / "topk" / "topk.so"
+    assert aot.read_bytes() == b"topk"
+    loaded = types.SimpleNamespace(module=sys.modules["flashinfer"])
+    assert flashinfer.top_k_module_missing(loaded) is None  # the adapter finds it there
+    jit.built.clear()
+    installed = flashinfer_prebuild.prebuild(tmp_path / "aot.tar.xz")
+    assert aot in installed and "topk" not in jit.built  # installed already: not rebuilt
+    assert len(jit.built) == 6  # the 6 MLA decode modules the selections above left out
+    with tarfile.open(tmp_path / "aot.tar.xz") as tar:
+        assert "aot/topk/topk.so" in tar.getnames()
+    with pytest.raises(SystemExit):
+        flashinfer_prebuild.main(["--topk-only", "--prefill-only"])
+
+
+def test_the_full_07_build_includes_the_topk_module(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """One run, nothing installed before: the top-k module is built with the others."""
+    jit = _fake_jit(tmp_path)
+    _install(monkeypatch, jit, types.ModuleType("flashinfer.prefill"), _fake_jit_topk(jit))
+    installed = flashinfer_prebuild.prebuild()
+    assert len(installed) == 13 and "topk" in jit.built
+    assert (tmp_path / "data" / "aot" / "topk" / "topk.so").exists()
