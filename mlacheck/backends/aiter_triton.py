@@ -15,7 +15,7 @@ check of the installed function:
 | mqa_logits, paged_mqa_logits | the V3.2 indexer: `fp8_mqa_logits`, `pa_mqa_logits` (aiter_triton_indexer) |
 | mla_sparse_prefill | `unified_attention_sparse_mla` (the sparse decode's kernel: every token one request over the flat KV) |
 | topk_indices | `aiter.ops.triton.topk.topk` (picks past a row's finite logits -> -1) |
-| index_conversion (ragged) | `_compute_topk_lens_kernel` + `_pack_global_topk_ragged_kernel` (`_triton_kernels.attention.sparse_attention_dsv4`) |
+| index_conversion (ragged) | `sparse_attention_dsv4.compute_global_topk_ragged_indices_and_indptr` where installed, else its kernels `_compute_topk_lens_kernel` + `_pack_global_topk_ragged_kernel` (`_triton_kernels.attention.sparse_attention_dsv4`): `aiter_conversion`, shared with `aiter` |
 | sparse_pipeline | `pa_mqa_logits` -> `topk` -> the adapter's slot conversion -> `unified_attention_sparse_mla` |
 
 How cases the kernels cannot take in one launch still run (the verdict's `implementation`
@@ -60,9 +60,9 @@ from typing import Any
 
 import torch
 
-from mlacheck import layouts, sparse_index
+from mlacheck import layouts
+from mlacheck.backends import aiter_conversion, aiter_triton_indexer
 from mlacheck.backends import aiter_triton_compat as compat
-from mlacheck.backends import aiter_triton_indexer
 from mlacheck.backends.aiter_logging import configure_aiter_logger
 from mlacheck.backends.base import Capability, CaseRule, Output, Range
 from mlacheck.backends.toolkit import (  # topk_to_global_slots: re-exported (tests, users)
@@ -142,16 +142,8 @@ CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
         "sm_scale", "logit_cap", "config",
     ),
     "topk.topk": ("x", "k", "tiny_row_thresh"),
-    # Triton kernels (their Python parameters, `JITFunction.fn`), launched by keyword
-    "sparse_attention_dsv4._compute_topk_lens_kernel": (
-        "topk_lens_ptr", "topk_indices_ptr", "topk_indices_stride", "topk", "is_valid_token_ptr",
-        "TRITON_BLOCK_SIZE"),
-    "sparse_attention_dsv4._pack_global_topk_ragged_kernel": (
-        "global_topk_ragged_ptr", "topk_indptr_ptr", "topk_indices_ptr", "topk_indices_stride",
-        "token_to_req_indices_ptr", "block_table_ptr", "block_table_stride", "block_size", "topk",
-        "BLOCK_SIZE"),
+    # index_conversion's entry point and kernels: aiter_conversion.CALLED_PARAMETERS
 }
-CONVERSION_KERNELS = ("_compute_topk_lens_kernel", "_pack_global_topk_ragged_kernel")
 
 # Environment knob: heads per mla_decode_fwd launch when the KV cache is FP8, off ROCm.
 FP8_HEADS_ENV = "MLACHECK_AITER_TRITON_FP8_HEADS"
@@ -291,30 +283,6 @@ def topk_masked_chunk_reaches_stage2(case: Case) -> bool:
     whole = [(c * plan.chunk, (c + 1) * plan.chunk) for c in range(plan.chunks)
              if (c + 1) * plan.chunk <= width]
     return any(end <= lo or start >= hi for start, end in windows for lo, hi in whole)
-
-
-# index_conversion: AITER e4048607a5's positions -> slots kernels (DeepSeek-V4's, in
-# _triton_kernels/attention/sparse_attention_dsv4.py): _compute_topk_lens_kernel (:64-87, each
-# token's count of entries >= 0) and _pack_global_topk_ragged_kernel (:90-129, the first `count`
-# entries of each row -> block_table[req, p // block_size] * block_size + p % block_size, written
-# ragged at the token's indptr). That commit has no entry point for them; they are launched as
-# AITER's later one does (compute_global_topk_ragged_indices_and_indptr, aiter/ops/triton/
-# attention/sparse_attention_dsv4.py, ROCm/aiter 0a398e8; vLLM's DeepSeek-V4 ROCm path too):
-# the counts, their cumulative sum as the indptr, then the packing. Only the ragged layout.
-CONVERSION_BLOCK = 128  # the packing kernel's BLOCK_SIZE in AITER's launcher
-CONVERSION_LENS_BLOCK = 1024  # the count kernel's TRITON_BLOCK_SIZE in AITER's launcher
-ROW_MAJOR_CONVERSION_REASON = (
-    "row-major slots: AITER e4048607a5's only positions -> slots kernel writes the ragged "
-    "layout (_pack_global_topk_ragged_kernel, _triton_kernels/attention/sparse_attention_dsv4.py:"
-    "90-129); nothing else in its Triton tree (aiter/ops/triton) converts positions, its sparse "
-    "attention takes global slots ('topk_indices index the KV cache, not block_table', "
-    "attention/unified_attention_sparse_mla.py:22)")
-
-
-def conversion_layout_rule(case: Case) -> str | None:
-    if getattr(case, "index_layout", "ragged") != "ragged":
-        return ROW_MAJOR_CONVERSION_REASON
-    return None
 
 
 EXTEND_NO_FP8 = ("extend_attention_fwd takes no scales: no FP8 (its parameters, "
@@ -589,6 +557,8 @@ class Loaded:
     modules: dict[str, ModuleType] = field(default_factory=dict)
     problems: dict[str, str] = field(default_factory=dict)  # op -> reason
     notes: list[str] = field(default_factory=list)
+    # index_conversion: AITER's entry point or its kernels (aiter_conversion.find)
+    conversion: aiter_conversion.Found = field(default_factory=aiter_conversion.Found)
 
 
 def _aiter_dir() -> Path | None:
@@ -701,14 +671,11 @@ def load() -> Loaded | str:
         why = signature_problem(fn, key, CALLED_PARAMETERS[key])
         if why:
             loaded.problems[op] = why
-    for name in CONVERSION_KERNELS if Op.INDEX_CONVERSION not in loaded.problems else ():
-        kernel = getattr(loaded.modules["dsv4"], name, None)
-        key = f"sparse_attention_dsv4.{name}"
-        why = (f"installed aiter {loaded.version} has no {key}" if kernel is None
-               else signature_problem(getattr(kernel, "fn", kernel), key, CALLED_PARAMETERS[key]))
-        if why:
-            loaded.problems[Op.INDEX_CONVERSION] = why
-            break
+    if Op.INDEX_CONVERSION not in loaded.problems:
+        loaded.conversion = aiter_conversion.find(
+            lambda rel: importlib.import_module(f"aiter.{rel}"), loaded.version)
+        if loaded.conversion.problem:
+            loaded.problems[Op.INDEX_CONVERSION] = loaded.conversion.problem
     if Op.PREFILL not in loaded.problems:
         why = signature_problem(loaded.modules["fa3"].fwd, "interface_v3.fwd",
                                 CALLED_PARAMETERS["interface_v3.fwd"])
@@ -870,13 +837,13 @@ class AiterTritonBackend:
                 notes="deepgemm_fp8_paged_mqa_logits -> topk.topk -> the adapter's positions -> "
                       "slots conversion (as for mla_sparse_decode) -> unified_attention_sparse_mla"),
             Op.INDEX_CONVERSION: Capability(
-                empty_requests=True, devices=gpu, rules=(conversion_layout_rule,),
+                empty_requests=True, devices=gpu, rules=(aiter_conversion.conversion_layout_rule,),
                 refusal=problems.get(Op.INDEX_CONVERSION),
-                notes="AITER's DeepSeek-V4 kernels _compute_topk_lens_kernel + "
-                      "_pack_global_topk_ragged_kernel, launched as AITER's later "
-                      "compute_global_topk_ragged_indices_and_indptr does (indptr = cumsum of "
-                      "the counts); ragged only; each row's valid positions first, as top-k "
-                      "writes them"),
+                notes="AITER's compute_global_topk_ragged_indices_and_indptr where installed, "
+                      "else its kernels _compute_topk_lens_kernel + "
+                      "_pack_global_topk_ragged_kernel launched as it launches them "
+                      "(aiter_conversion); ragged only; each row's valid positions first, as "
+                      "top-k writes them"),
         }
 
     def run(self, case: Case, inputs: Inputs) -> Output:
@@ -1105,33 +1072,13 @@ class AiterTritonBackend:
                   else ""))
         return picked, how
 
-    # -- index_conversion: AITER's ragged conversion kernels
+    # -- index_conversion: AITER's ragged conversion (aiter_conversion, shared with `aiter`)
     def _conversion(self, got: Loaded, inp: ConversionInputs) -> Output:
         self._require(got, Op.INDEX_CONVERSION)
-        dsv4 = got.modules["dsv4"]
-        local = inp.local.contiguous()  # [T, topk] int32, each row's valid positions first
-        t, k = local.shape
-        dev = local.device
-        lens = torch.zeros(t, dtype=torch.int32, device=dev)
-        indptr = torch.zeros(t + 1, dtype=torch.int32, device=dev)
         out = inp.out.out
-        if t:
-            dsv4._compute_topk_lens_kernel[(t,)](
-                topk_lens_ptr=lens, topk_indices_ptr=local, topk_indices_stride=local.stride(0),
-                topk=k, is_valid_token_ptr=torch.ones(t, dtype=torch.bool, device=dev),
-                TRITON_BLOCK_SIZE=CONVERSION_LENS_BLOCK)
-            torch.cumsum(lens, dim=0, out=indptr[1:])
-            token_req = sparse_index.token_requests(inp.qo_indptr.cpu()).to(dev, torch.int32)
-            table = inp.block_table.to(torch.int32).contiguous()
-            dsv4._pack_global_topk_ragged_kernel[(t, -(-k // CONVERSION_BLOCK))](
-                global_topk_ragged_ptr=out, topk_indptr_ptr=indptr, topk_indices_ptr=local,
-                topk_indices_stride=local.stride(0), token_to_req_indices_ptr=token_req,
-                block_table_ptr=table, block_table_stride=table.stride(0),
-                block_size=inp.case.page_size, topk=k, BLOCK_SIZE=CONVERSION_BLOCK)
-        meta = {"aiter_version": got.version, "conversion": (
-            "_compute_topk_lens_kernel -> indptr (cumsum) -> _pack_global_topk_ragged_kernel "
-            "(AITER's DeepSeek-V4 kernels, launched as its later "
-            "compute_global_topk_ragged_indices_and_indptr does)")}
+        indptr, how = aiter_conversion.convert(got.conversion, inp.local, inp.qo_indptr,
+                                               inp.block_table, inp.case.page_size, out)
+        meta = {"aiter_version": got.version, "conversion": how}
         return Output(out, extra={"indptr": indptr}, metadata=meta, wrote_into_guarded=True)
 
     # -- sparse_pipeline: paged logits -> top-k -> slots -> sparse decode

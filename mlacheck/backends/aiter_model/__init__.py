@@ -12,6 +12,9 @@ kernels are documented to compute, on CPU or GPU, deterministically:
 - the DeepSeek-V3.2 indexer: `ops.triton.attention.fp8_mqa_logits.fp8_mqa_logits`,
   `ops.triton.attention.pa_mqa_logits.deepgemm_fp8_paged_mqa_logits` (Triton kernels) and
   the per-row top-k `top_k_per_row_prefill` / `top_k_per_row_decode`;
+- the positions -> global slots kernels `ops.triton._triton_kernels.attention.
+  sparse_attention_dsv4._compute_topk_lens_kernel` / `_pack_global_topk_ragged_kernel` (the
+  entry point that launched them is not at AITER_COMMIT: mlacheck.backends.aiter_conversion);
 - `dtypes` (fp8 = the modelled chip's format) and `jit.utils.chip_info`.
 
 The modelled chip is env MLACHECK_AITER_MODEL_GFX (gfx942 default, gfx950), its CU count

@@ -12,7 +12,11 @@ from typing import Any
 import pytest
 import torch
 
+from mlacheck.backends import aiter_conversion
 from mlacheck.backends import aiter_triton as at
+from mlacheck.backends.aiter_model.ops.triton._triton_kernels.attention import (
+    sparse_attention_dsv4 as model_dsv4,
+)
 from mlacheck.backends.base import Capability
 from mlacheck.harness import RunOptions, run_case
 from mlacheck.spec import DecodeCase, PrefillCase, Quant, Request, Segment
@@ -445,53 +449,28 @@ class FakeKernel:
         return launch
 
 
-def _rows(ptr: torch.Tensor, stride: int, rows: int, width: int) -> torch.Tensor:
-    """What a kernel reads at ptr + row * stride + col (col < width)."""
-    return ptr.as_strided((rows, width), (stride, 1))
-
-
 class FakeDsv4Conversion:
     """_compute_topk_lens_kernel and _pack_global_topk_ragged_kernel
-    (_triton_kernels/attention/sparse_attention_dsv4.py:64-129, AITER e4048607a5): the count
-    of entries >= 0 per token (0 for an invalid token); then each token's FIRST `count`
-    entries through its request's block table, -1 kept, at its indptr. `bug`:
-    "no-block-table" writes the positions themselves."""
+    (_triton_kernels/attention/sparse_attention_dsv4.py:64-129, AITER e4048607a5) as the AITER
+    model computes them, their launches recorded. `bug`: "no-block-table" packs through an
+    identity block table (the positions themselves)."""
 
     def __init__(self, bug: str = "") -> None:
         self.bug = bug
-        self._compute_topk_lens_kernel = FakeKernel(self.lens)
+        self._compute_topk_lens_kernel = FakeKernel(model_dsv4.compute_topk_lens)
         self._pack_global_topk_ragged_kernel = FakeKernel(self.pack)
 
-    @staticmethod
-    def lens(topk_lens_ptr: torch.Tensor, topk_indices_ptr: torch.Tensor,
-             topk_indices_stride: int, topk: int, is_valid_token_ptr: torch.Tensor,
-             TRITON_BLOCK_SIZE: int) -> None:  # noqa: N803
-        rows = _rows(topk_indices_ptr, topk_indices_stride, topk_lens_ptr.numel(), topk)
-        count = (rows >= 0).sum(1).to(torch.int32)
-        topk_lens_ptr.copy_(torch.where(is_valid_token_ptr, count, 0))
-
-    def pack(self, global_topk_ragged_ptr: torch.Tensor, topk_indptr_ptr: torch.Tensor,
-             topk_indices_ptr: torch.Tensor, topk_indices_stride: int,
-             token_to_req_indices_ptr: torch.Tensor, block_table_ptr: torch.Tensor,
-             block_table_stride: int, block_size: int, topk: int, BLOCK_SIZE: int) -> None:  # noqa: N803
-        tokens = topk_indptr_ptr.numel() - 1
-        rows = _rows(topk_indices_ptr, topk_indices_stride, tokens, topk).long()
-        table = block_table_ptr.reshape(-1)
-        for t in range(tokens):
-            start, end = int(topk_indptr_ptr[t]), int(topk_indptr_ptr[t + 1])
-            local = rows[t, : min(end - start, topk)]
-            req = int(token_to_req_indices_ptr[t])
-            valid = local >= 0
-            pages = table[(req * block_table_stride + local // block_size).clamp(min=0)].long()
-            slots = local if self.bug == "no-block-table" else pages * block_size + local % block_size
-            global_topk_ragged_ptr[start: start + local.numel()] = torch.where(
-                valid, slots, -1).to(torch.int32)
+    def pack(self, **kw: Any) -> None:
+        if self.bug == "no-block-table":
+            table = kw["block_table_ptr"]
+            kw["block_table_ptr"] = torch.arange(table.shape[1]).repeat(table.shape[0], 1)
+        model_dsv4.pack_global_topk_ragged(**kw)
 
 
 @pytest.fixture
 def fake_conversion(monkeypatch: pytest.MonkeyPatch) -> FakeDsv4Conversion:
     fake = FakeDsv4Conversion()
-    loaded = at.Loaded("e4048607a", modules={"dsv4": fake})  # type: ignore[dict-item]
+    loaded = at.Loaded("e4048607a", conversion=aiter_conversion.Found(kernels=fake))
     monkeypatch.setattr(at, "load", lambda: loaded)
     monkeypatch.setattr(at.compat, "on_rocm", lambda: False)
     return fake
