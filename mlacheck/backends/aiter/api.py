@@ -11,6 +11,7 @@ parameter, never a CRASH.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from mlacheck import fp8
+from mlacheck.backends import aiter_conversion
 from mlacheck.backends.aiter_logging import configure_aiter_logger
 from mlacheck.backends.toolkit import library_version, signature_problems
 from mlacheck.ops import Op
@@ -101,7 +103,7 @@ OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
     Op.MQA_LOGITS: (FP8_MQA_LOGITS,),
     Op.PAGED_MQA_LOGITS: (PAGED_MQA_LOGITS,),
     Op.TOPK: ("top_k_per_row_prefill", "top_k_per_row_decode"),
-    Op.INDEX_CONVERSION: (),  # the adapter's own conversion (AITER has no kernel for it)
+    Op.INDEX_CONVERSION: (),  # found by aiter_conversion (entry point or kernels): conversion
     Op.SPARSE_PREFILL: PERSISTENT_DECODE_FUNCTIONS,  # V3.2 prefill runs as sparse decode
     Op.SPARSE_PIPELINE: (PAGED_MQA_LOGITS, "top_k_per_row_decode", *PERSISTENT_DECODE_FUNCTIONS),
 }
@@ -172,16 +174,26 @@ class AiterApi:
     version: str
     problems: dict[str, str] = field(default_factory=dict)  # function -> signature problem
 
+    def submodule(self, path: str) -> ModuleType:
+        """A submodule reached by path (`ops.triton.attention.<mod>`), imported on first use."""
+        return importlib.import_module(f"{self.module.__name__}.{path}")
+
     def function(self, qualname: str) -> Callable[..., Any]:
         owner, _, name = qualname.rpartition(".")
         if owner in ("", "mla"):
             return getattr(self.mla if owner == "mla" else self.module, name)
-        try:  # a submodule reached by path: imported on first use
-            sub = importlib.import_module(f"{self.module.__name__}.{owner}")
+        try:
+            sub = self.submodule(owner)
         except Exception as e:  # noqa: BLE001 - an unimportable module is that op's problem
             raise AttributeError(f"{owner} failed to import: {type(e).__name__}: "
                                  f"{str(e).splitlines()[0] if str(e) else ''}"[:240]) from None
         return getattr(sub, name)
+
+    @functools.cached_property
+    def conversion(self) -> aiter_conversion.Found:
+        """index_conversion: AITER's entry point, else its kernels, else why not (found on
+        first use: importing the real modules imports triton)."""
+        return aiter_conversion.find(self.submodule, self.version)
 
     def op_problem(self, op: str) -> str | None:
         for fn in OP_FUNCTIONS[op]:

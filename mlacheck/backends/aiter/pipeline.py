@@ -6,9 +6,9 @@ backend calls them (vllm/v1/attention/ops/rocm_aiter_mla_sparse.py), by keyword:
 | mqa_logits | `ops.triton.attention.fp8_mqa_logits.fp8_mqa_logits` (clean_logits=True) |
 | paged_mqa_logits | `ops.triton.attention.pa_mqa_logits.deepgemm_fp8_paged_mqa_logits` (the plain page layout: Preshuffle=False, KVBlockSize = the page size; out_logits initialised to -inf, as the kernel writes only the chunks covering each context) |
 | topk_indices | `top_k_per_row_decode` (next_n=1, one length per row, as vLLM passes MTP rows) / `top_k_per_row_prefill`, whose positions count from the row's start and are localised here (vLLM's `_localize_aiter_prefill_topk`) |
-| index_conversion | AITER has no kernel: the adapter's own conversion, the one it hands the sparse decode (valid slots first; row-major for the persistent kernel, ragged for the non-persistent one) |
+| index_conversion (ragged) | `ops.triton.attention.sparse_attention_dsv4.compute_global_topk_ragged_indices_and_indptr` where installed (AITER v0.1.18 .. v0.1.19.post2), else its kernels `_compute_topk_lens_kernel` + `_pack_global_topk_ragged_kernel` (`ops.triton._triton_kernels.attention.sparse_attention_dsv4`, AITER main): `aiter_conversion`, shared with aiter-triton; row-major: AITER has none (a SKIP) |
 | mla_sparse_prefill | the sparse decode (`mla_decode_fwd` with sparse metadata): vLLM's ROCm V3.2 backend runs prefill tokens as sparse decode pseudo-batches over the flat latent KV (a page-size-1 pool); no max_logits |
-| sparse_pipeline | paged logits -> `top_k_per_row_decode` -> the adapter's conversion -> sparse decode |
+| sparse_pipeline | paged logits -> `top_k_per_row_decode` -> the adapter's conversion (`global_slots`, the layout each sparse decode reads) -> sparse decode |
 
 Nothing here has run on ROCm hardware: it is verified against mlacheck's AITER model.
 """
@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mlacheck.backends import aiter_conversion
 from mlacheck.backends.aiter.api import FP8_MQA_LOGITS, PAGED_MQA_LOGITS, AdapterError, AiterApi
 from mlacheck.backends.aiter.capability import ASM_FORMATS, MAX_DECODE_HEADS
-from mlacheck.backends.base import Capability, Output, Range, adapter_choice
+from mlacheck.backends.base import Capability, Output, Range
 from mlacheck.kvcache import PageTable
 from mlacheck.ops import Op
 from mlacheck.spec import Case
@@ -73,16 +74,6 @@ def capabilities(adapter: AiterAdapter, api: AiterApi, decode_common: dict[str, 
     prefill_fmts = ("fp8_e4m3fn", "fp8_e4m3fnuz") if api.gfx == "gfx942" else (chip,)
     chip_only = dict.fromkeys(("q_formats", "kv_formats"), CHIP_FP8_REASON)
     dev = adapter.devices
-    index_layout = "row_major" if adapter.persistent else "ragged"
-
-    def layout_rule(case: Case) -> str | None:
-        if case.index_layout != index_layout:  # type: ignore[union-attr]
-            return adapter_choice(
-                f"the {'persistent' if adapter.persistent else 'non-persistent'} sparse decode "
-                f"reads {index_layout.replace('_', '-')} slots; the conversion is the adapter's "
-                "own (AITER has no kernel for it) and makes that layout only")
-        return None
-
     def pipeline_format(case: Case) -> str | None:
         fmt = case.index_fmt  # type: ignore[union-attr]
         return None if fmt == chip else (f"indexer keys in {fmt}: the paged kernel reads "
@@ -104,9 +95,11 @@ def capabilities(adapter: AiterAdapter, api: AiterApi, decode_common: dict[str, 
             notes="top_k_per_row_decode (next_n=1, per-row lengths) / top_k_per_row_prefill "
                   "(positions localised by the adapter, as vLLM does)"),
         Op.INDEX_CONVERSION: Capability(
-            empty_requests=True, devices=dev, rules=(layout_rule,),
-            notes="the adapter's own conversion (AITER has no kernel for it): what it hands "
-                  "the sparse decode"),
+            empty_requests=True, devices=dev, rules=(aiter_conversion.conversion_layout_rule,),
+            refusal=api.conversion.problem,
+            notes="AITER's compute_global_topk_ragged_indices_and_indptr where installed, else "
+                  "its kernels _compute_topk_lens_kernel + _pack_global_topk_ragged_kernel "
+                  "launched as it launches them (aiter_conversion); ragged only"),
         Op.SPARSE_PREFILL: Capability(
             q_formats=("bf16",), kv_formats=("bf16",), head_counts=Range(1, MAX_DECODE_HEADS),
             empty_requests=True, devices=dev, refusal=api.op_problem(Op.SPARSE_PREFILL),
@@ -221,16 +214,12 @@ def global_slots(local: torch.Tensor, qo_indptr: torch.Tensor, table: PageTable
 
 
 def _conversion(adapter: AiterAdapter, api: AiterApi, case: Case, inputs: Any) -> Output:
-    slots, counts = global_slots(inputs.local, inputs.qo_indptr, inputs.table)
+    """AITER's ragged conversion (aiter_conversion: the code aiter-triton runs too)."""
     out = inputs.out.out
-    if adapter.persistent:  # row-major [T, topk]: what the persistent kernel reads
-        out.copy_(slots.to(out.dtype))
-        return Output(out, wrote_into_guarded=True)
-    flat = slots[slots >= 0]  # ragged: valid slots back to back, indexed by kv_indptr
-    out[: flat.numel()] = flat.to(out.dtype).to(out.device)
-    indptr = torch.zeros(counts.numel() + 1, dtype=torch.int32)
-    indptr[1:] = torch.cumsum(counts, 0)
-    return Output(out, extra={"indptr": indptr}, wrote_into_guarded=True)
+    indptr, how = aiter_conversion.convert(api.conversion, inputs.local, inputs.qo_indptr,
+                                           inputs.block_table, case.page_size, out)  # type: ignore[union-attr]
+    return Output(out, extra={"indptr": indptr}, metadata={"conversion": how},
+                  wrote_into_guarded=True)
 
 
 # --------------------------------------------------------------------------- attention

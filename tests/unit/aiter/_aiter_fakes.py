@@ -14,7 +14,11 @@ import pytest
 import torch
 
 from mlacheck.backends.aiter.api import FP8_MQA_LOGITS, PAGED_MQA_LOGITS
+from mlacheck.backends.aiter_conversion import KERNEL_MODULE, KERNELS
 from mlacheck.backends.aiter_model import _topk as _model_topk
+from mlacheck.backends.aiter_model.ops.triton._triton_kernels.attention import (
+    sparse_attention_dsv4 as _model_dsv4,
+)
 from mlacheck.backends.aiter_model.ops.triton.attention import fp8_mqa_logits as _model_mqa
 from mlacheck.backends.aiter_model.ops.triton.attention import pa_mqa_logits as _model_pa
 
@@ -107,6 +111,8 @@ HEAD_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "top_k_per_row_decode": _model_topk.top_k_per_row_decode,
     FP8_MQA_LOGITS: _model_mqa.fp8_mqa_logits,
     PAGED_MQA_LOGITS: _model_pa.deepgemm_fp8_paged_mqa_logits,
+    # index_conversion: head has the two kernels and no entry point (aiter_conversion)
+    **{f"{KERNEL_MODULE}.{k}": getattr(_model_dsv4, k) for k in KERNELS},
 }
 
 FP8_OF_CHIP = {"gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn}

@@ -25,7 +25,6 @@ from mlacheck.backends import aiter_triton_compat as compat
 from mlacheck.backends.aiter import adapter as aiter_asm
 from mlacheck.backends.base import skip_reason
 from mlacheck.report.coverage import ADAPTER, KERNEL, skip_class
-from mlacheck.spec import Op
 
 H100_ARCH = (9, 0)
 H100_SMEM_PER_SM = 233472
@@ -34,10 +33,7 @@ SOURCE = re.compile(r"[\w./-]+\.(?:py|cu|cuh|h|hpp|cpp|csv)\b|\bmeasured\b")
 
 # (backend, op) -> what the adapter does not wire although the library has a kernel for it
 # (docs/gpu-results.md lists them with the reason they stay).
-ADAPTER_OMISSIONS: dict[tuple[str, str], str] = {
-    **{(name, Op.INDEX_CONVERSION): "the conversion is the adapter's own, one layout"
-       for name in ("aiter gfx950", "aiter gfx942", "aiter non-persistent")},
-}
+ADAPTER_OMISSIONS: dict[tuple[str, str], str] = {}  # none left (issue 32)
 
 # Libraries of one kind of kernel: the ops of another kind are not theirs (DeepGEMM: GEMMs and
 # the indexer logits, no attention), so "does not provide op" is the whole story there.
