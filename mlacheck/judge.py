@@ -143,6 +143,11 @@ def verdict(
         pipeline_judge.judge(v, case, inputs, output, gold, baseline, ideal)
     else:
         failing = _judge_numerics(v, case, inputs, output, gold, baseline, ideal)
+    if output.wrote_into_guarded:
+        # the guard rows around the output buffer: here, once for every op (the sparse
+        # prefill and the composed path judge their attention with _judge_numerics too)
+        viol = inputs.out.violations()
+        v.checks.append(Check("guards", not viol, float(len(viol)), 0.0, "; ".join(viol)))
     problems = output.metadata.get("validation")
     if problems:  # the backend's own schedule (e.g. AITER persistent metadata) is wrong
         v.checks.append(Check("metadata", False, detail="; ".join(problems)))
@@ -445,11 +450,6 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
         why = output.metadata.get("lse")
         checks.append(Check("lse", True, detail="backend returns no LSE (capability); not checked"
                                                 + (f": {why}" if why else "")))
-
-    # Guard rows around the output buffer.
-    if output.wrote_into_guarded:
-        viol = inputs.out.violations()
-        checks.append(Check("guards", not viol, float(len(viol)), 0.0, "; ".join(viol)))
 
     # What quantisation costs: error vs the golden on unquantised inputs. A correct kernel loses
     # what the baseline loses on the same quantised inputs (ill-conditioned stress inputs lose

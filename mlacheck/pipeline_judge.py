@@ -55,12 +55,8 @@ def judge(v: Verdict, case: Case, inputs: Any, output: Output, gold: Any,
         _FAMILY_JUDGES[case.op](v, case, inputs, output, gold, family, ideal)
     else:
         _JUDGES[case.op](v, case, inputs, output, gold, family[0], ideal)
-    if output.wrote_into_guarded:
-        viol = inputs.out.violations()
-        v.checks.append(Check("guards", not viol, float(len(viol)), 0.0, "; ".join(viol)))
-        if viol and not v.diagnosis:
-            v.diagnosis, v.metrics["axis"] = (f"output rows: writes outside the output "
-                                              f"({viol[0]})", "output")
+    # the guard rows: judge.verdict checks them for every op (a write outside the output is
+    # diagnosed there, judge._non_row_diagnosis)
 
 
 # --------------------------------------------------------------------------- locations

@@ -195,6 +195,21 @@ def test_sparse_prefill_max_logits_are_checked_alone() -> None:
     assert v.metrics["axis"] == "max_logits" and "max_logits only" in v.diagnosis
 
 
+@pytest.mark.parametrize("case", ALL, ids=lambda c: c.op + "-" + c.slug[:20])
+def test_the_guard_rows_are_one_check(case) -> None:  # noqa: ANN001
+    """Every op's verdict has one "guards" check. The sparse prefill and the composed path
+    judge their attention with the attention rules, which checked the guard rows a second
+    time: their verdicts listed "guards" twice (and a write past the output failed twice)."""
+    v, _ = judged(case, lambda out, inp: None)
+    assert [c.name for c in v.checks].count("guards") == 1, [c.name for c in v.checks]
+
+    def past_the_end(out: Output, inp) -> None:  # noqa: ANN001
+        inp.out.full.view(-1)[-1] = 1  # the last guard element
+
+    v, _ = judged(case, past_the_end)
+    assert [c.name for c in v.failed_checks] == ["guards"], v.summary()
+
+
 def _near_tie(case: SparsePipelineCase, row: int) -> tuple[int, int, int] | None:
     """(k-th, (k+1)-th, last) golden positions of `row` when the first two are a near-tie
     (their logits within the bounds of each other), else None."""
