@@ -438,18 +438,14 @@ def _judge_numerics(v: Verdict, case: Case, inputs: Inputs, output: Output, gold
         where += found
         if lse_bad is not None:
             failing |= lse_bad.reshape(failing.shape)
-    elif wants_lse and output.lse is None and case.requires_lse and not output.metadata.get("lse"):
-        # only a backend whose capability takes LSE runs such a case (Capability.why_not):
-        # an LSE it declared and dropped without saying why (Output.metadata["lse"], e.g. the
-        # AITER adapter's note on a library version whose LSE is known wrong) is its failure,
-        # never a silent pass
-        checks.append(Check("lse", False, detail="the case requires the LSE and the backend's "
-                                                 "capability declares one, but it returned none "
-                                                 "and said no reason"))
-    elif wants_lse and output.lse is None:
-        why = output.metadata.get("lse")
-        checks.append(Check("lse", True, detail="backend returns no LSE (capability); not checked"
-                                                + (f": {why}" if why else "")))
+    elif wants_lse:
+        # only a backend whose capability takes LSE runs a case that requires it
+        # (Capability.why_not): dropping it takes a reason (e.g. the AITER adapter's note on a
+        # library version whose LSE is known wrong)
+        checks.append(unreturned_output_check(
+            "lse", "LSE", output.metadata,
+            "the case requires the LSE and the backend's capability declares one"
+            if case.requires_lse else ""))
 
     # What quantisation costs: error vs the golden on unquantised inputs. A correct kernel loses
     # what the baseline loses on the same quantised inputs (ill-conditioned stress inputs lose
@@ -624,6 +620,20 @@ def input_overflow(inputs: Inputs) -> int:
         if f.is_fp8:
             n += int(((t.ideal.float() / t.scale).abs() > f.max).sum())
     return n
+
+
+def unreturned_output_check(name: str, what: str, metadata: Mapping[str, Any],
+                            required: str) -> Check:
+    """The check `name` of an output (`what`) the backend did not return. Where the case
+    requires it (`required` says why; "" where it is optional) and the backend said no reason
+    in `Output.metadata[name]`, a FAIL: an output dropped silently is never a pass. Otherwise
+    "not checked", with the backend's reason in the detail."""
+    why = metadata.get(name)
+    if required and not why:
+        return Check(name, False, detail=f"{required}, but the backend returned none and said "
+                                         f"no reason (Output.metadata[{name!r}])")
+    return Check(name, True, detail=f"backend returns no {what} (capability); not checked"
+                                    + (f": {why}" if why else ""))
 
 
 def _check_lse(inputs: Inputs, lse: torch.Tensor, g_lse: torch.Tensor, baseline: Output,
