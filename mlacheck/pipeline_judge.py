@@ -333,19 +333,31 @@ def _sparse_prefill(v: Verdict, case: Case, inputs: Any, output: Output, gold: A
     attention_judge._judge_numerics(v, case, inputs, output, gold, family, ideal)
     baseline = family[0]  # the eager one: every family member's max logits are the same
     got = output.extra.get("max_logits")
-    if got is None:
-        v.checks.append(Check("max_logits", True, detail="backend returns no max logits "
-                                                         "(capability); not checked"))
+    if got is None:  # an op's output, no capability's: left out only with a stated reason
+        check = attention_judge.unreturned_output_check(
+            "max_logits", "max logits", output.metadata, MAX_LOGITS_REQUIRED)
+        v.checks.append(check)
+        if not check.passed:
+            _max_logits_alone(v, "none returned, no reason said (Output.metadata['max_logits'])")
         return
     bad = _check_row_scalar("max_logits", got.detach().cpu(), gold.max_logits.detach().cpu(),
                             baseline.extra.get("max_logits"), v.checks)
     if bad is not None and bool(bad.any()):
         rows = bad.any(1)
         v.where += _rows_where(case, inputs, rows, rows.double(), 0.0, "max_logits")
-        if all(c.passed for c in v.checks if c.name != "max_logits"):
-            v.diagnosis = (f"max_logits only (the outputs and LSE are right): {int(bad.sum())} "
-                           f"rows ({_scope(case, inputs, rows)})")
-            v.metrics["axis"] = "max_logits"
+        _max_logits_alone(v, f"{int(bad.sum())} rows ({_scope(case, inputs, rows)})")
+
+
+# Why a sparse prefill's max_logits is required of every backend (SparsePrefillCase: FlashMLA's
+# flash_mla_sparse_fwd returns out, max_logits and LSE).
+MAX_LOGITS_REQUIRED = "a sparse prefill's outputs are out, LSE and max_logits"
+
+
+def _max_logits_alone(v: Verdict, what: str) -> None:
+    """The diagnosis of a max_logits failure where every other check passes."""
+    if all(c.passed for c in v.checks if c.name != "max_logits"):
+        v.diagnosis = f"max_logits only (the outputs and LSE are right): {what}"
+        v.metrics["axis"] = "max_logits"
 
 
 def _check_row_scalar(name: str, got: torch.Tensor, gold: torch.Tensor,

@@ -285,6 +285,15 @@ def topk_masked_chunk_reaches_stage2(case: Case) -> bool:
     return any(end <= lo or start >= hi for start, end in windows for lo, hi in whole)
 
 
+# Why the sparse prefill hands back no max_logits (Output.metadata["max_logits"]: left out
+# only with a reason, mlacheck.pipeline_judge).
+SPARSE_NO_MAX_LOGITS = (
+    "unified_attention_sparse_mla writes the output only ('Returns: out (in-place)', "
+    "attention/unified_attention_sparse_mla.py:34-35; its kernel's one store is the output, "
+    "_triton_kernels/attention/unified_attention_sparse_mla.py:248): the running max M "
+    "(:146, :212-220) is not returned")
+
+
 EXTEND_NO_FP8 = ("extend_attention_fwd takes no scales: no FP8 (its parameters, "
                  "attention/extend_attention.py:34-52)")
 PAGED_PREFILL_REASONS = {
@@ -1038,6 +1047,7 @@ class AiterTritonBackend:
             f"request; the flat latent KV {tuple(inp.kv.stored.shape)} as a page-size-1 pool "
             "(its rows are the global slots the indices name), handed over as in "
             "mla_sparse_decode (view)")
+        res.metadata["max_logits"] = SPARSE_NO_MAX_LOGITS
         return res
 
     # -- topk_indices: aiter.ops.triton.topk.topk

@@ -21,8 +21,9 @@
   same composition runs it: the flat latent KV [N, 1, 576] is a page-size-1 pool whose slots
   are its rows (SparsePrefillInputs.as_sparse_decode, as AITER's adapters do), each token one
   request with its own index list. The kernel returns out and LSE, not the max scaled score:
-  the verdict's `implementation` says max_logits is not produced, and the judge does not check
-  it (mlacheck.pipeline_judge); it is never recomputed here from q and K.
+  the adapter says so (Output.metadata["max_logits"], NO_MAX_LOGITS), which the judge's
+  max_logits check shows as "not checked" (mlacheck.pipeline_judge: without a reason a missing
+  max_logits FAILs); it is never recomputed here from q and K.
 - topk_indices (0.7.x): `flashinfer.top_k_ragged_transform` over mlacheck's logit rows as they
   are (decode rows from column 0; prefill rows with row_starts = each row's window start), so
   the positions come back request-local, -1 past a row's window. Only from FlashInfer's
@@ -311,8 +312,11 @@ INDEX_CONVERSION_REASON = (
 SPARSE_PREFILL_COMPOSITION = (
     "sparse prefill as mla_sparse_decode's composition: the flat latent KV [N, 1, 576] as a "
     "page-size-1 pool (slot = row), every query token its own request over its own index list")
-NO_MAX_LOGITS = ("not produced: BatchMLAPagedAttentionWrapper.run returns out and LSE only "
-                 "(return_lse); not checked")
+# The reason the judge shows for the max_logits it does not check (Output.metadata
+# ["max_logits"]: a sparse prefill's max_logits may be left out only with one).
+NO_MAX_LOGITS = ("not produced: BatchMLAPagedAttentionWrapper.run returns out, or (out, lse) "
+                 "with return_lse (mla.py:459 in 0.2.14.post1; mla/_batch_mla/_wrapper.py:"
+                 "891-893 in 0.7.2.post1): no max scaled score")
 # topk_indices: 0.7.x's top_k_ragged_transform (topk.py:1330 in 0.7.2.post1), the top-k of each
 # row's window [row_starts, row_starts + lengths) as positions relative to row_starts (plus
 # offsets, 0 here), -1 past the window, int32 [rows, k]. Its radix and CUB paths have no arch
@@ -639,8 +643,8 @@ class FlashInferBackend(LibraryAdapter):
     def _sparse_prefill(self, got: Loaded, case: SparsePrefillCase,
                         inputs: SparsePrefillInputs) -> Output:
         out = self._sparse(got, *inputs.as_sparse_decode())
-        out.metadata["flashinfer"].update(composition=SPARSE_PREFILL_COMPOSITION,
-                                          max_logits=NO_MAX_LOGITS)
+        out.metadata["flashinfer"]["composition"] = SPARSE_PREFILL_COMPOSITION
+        out.metadata["max_logits"] = NO_MAX_LOGITS
         return out
 
     def _topk(self, got: Loaded, case: TopkCase, inputs: TopkInputs) -> Output:

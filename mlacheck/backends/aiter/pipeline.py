@@ -64,6 +64,12 @@ CHIP_FP8_REASON = ("the kernel reads FP8 bytes in the chip's format: AITER's dty
                    ":290-291)")
 # Sparse prefill runs as bf16 sparse-decode pseudo-batches over the bf16 latent KV.
 SPARSE_PREFILL_FORMATS = "it runs as the bf16 sparse decode over bf16 latent KV; " + ASM_FORMATS
+# Why its sparse prefill hands back no max_logits (Output.metadata["max_logits"]: left out only
+# with a reason, mlacheck.pipeline_judge), read in AITER at TARGET_COMMIT (e4048607a5).
+SPARSE_PREFILL_NO_MAX_LOGITS = (
+    "it runs as the sparse decode, whose mla_decode_fwd writes the output and returns "
+    "(logits, lse): the per-split outputs and the LSE (aiter/mla.py:623-656, :709-710, "
+    ":1006), no max scaled score")
 
 
 def capabilities(adapter: AiterAdapter, api: AiterApi, decode_common: dict[str, Any],
@@ -231,6 +237,7 @@ def _sparse_prefill(adapter: AiterAdapter, api: AiterApi, case: Case, inputs: An
     twin, twin_inputs = inputs.as_sparse_decode()
     res = adapter._decode(api, twin, twin_inputs)
     res.metadata["sparse_prefill"] = "run as sparse decode pseudo-batches (page-size-1 view)"
+    res.metadata["max_logits"] = SPARSE_PREFILL_NO_MAX_LOGITS
     return res
 
 

@@ -27,6 +27,7 @@ from mlacheck.spec import (
     Request,
     Segment,
     SparseDecodeCase,
+    SparsePrefillCase,
 )
 from mlacheck.verdict import CRASH, FAIL, PASS, SKIP
 
@@ -137,6 +138,25 @@ def test_sparse_cases_pass(monkeypatch: pytest.MonkeyPatch, gfx: str, persistent
     with modelled_chip(monkeypatch, gfx):
         verdicts = run_all(sparse_cases(gfx), model_adapter(persistent))
     assert_all_pass(verdicts)
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "nonpersistent"])
+@pytest.mark.parametrize("gfx", ["gfx942", "gfx950"])
+def test_sparse_prefill_says_why_it_has_no_max_logits(monkeypatch: pytest.MonkeyPatch, gfx: str,
+                                                      persistent: bool) -> None:
+    """The sparse prefill runs as the sparse decode, which has no max_logits: the adapter says
+    why (Output.metadata["max_logits"]; left out without a reason it FAILs) and the verdict
+    shows it as not checked."""
+    from mlacheck.backends.aiter.pipeline import SPARSE_PREFILL_NO_MAX_LOGITS
+
+    case = SparsePrefillCase(segments=(Segment(5, 30), Segment(3, 0)), topk=16, num_heads=16,
+                             empty_rows=1)
+    with modelled_chip(monkeypatch, gfx):
+        v = run_case(case, model_adapter(persistent))
+    assert v.status == PASS, describe([v])
+    assert v.implementation["max_logits"] == SPARSE_PREFILL_NO_MAX_LOGITS
+    (check,) = [c for c in v.checks if c.name == "max_logits"]
+    assert check.passed and check.detail.endswith(f"not checked: {SPARSE_PREFILL_NO_MAX_LOGITS}")
 
 
 @pytest.mark.parametrize("revision", ["head", "pr3606"])

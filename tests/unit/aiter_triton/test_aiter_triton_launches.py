@@ -373,6 +373,11 @@ def test_sparse_prefill_runs_the_sparse_kernel_over_a_view_of_the_flat_kv(
                                                          "32 query tokens as one request")
     assert v.implementation["view"].startswith(f"pool ({n}, 1, 1, 576) (page 1) handed over as "
                                                f"({n // 64}, 64, 1, 576)")
+    # the kernel writes the output only: the adapter says why there is no max_logits (left
+    # out without a reason it FAILs) and the verdict shows the check as not checked
+    assert v.implementation["max_logits"] == at.SPARSE_NO_MAX_LOGITS
+    (check,) = [c for c in v.checks if c.name == "max_logits"]
+    assert check.passed and check.detail.endswith(f"not checked: {at.SPARSE_NO_MAX_LOGITS}")
 
 
 def test_sparse_prefill_check_bites_and_rows_without_an_index_are_the_kernels_limit(

@@ -126,6 +126,37 @@ def test_a_required_lse_the_backend_does_not_return_fails() -> None:
         "backend returns no LSE (capability); not checked"]
 
 
+SPARSE_PREFILL = spec.SparsePrefillCase(segments=(spec.Segment(5, 30), spec.Segment(3, 0)),
+                                        topk=16, num_heads=16, empty_rows=1)
+
+
+def test_a_sparse_prefill_without_max_logits_fails_unless_the_backend_says_why() -> None:
+    """mla_sparse_prefill's outputs are out, LSE and max_logits: an adapter that dropped
+    max_logits passed as "not checked" before. Left out with a reason
+    (Output.metadata["max_logits"], as a kernel without the output says it), it is not
+    checked and the verdict shows why."""
+    def drop(res: Output, inputs) -> None:  # noqa: ANN001
+        del res.extra["max_logits"]
+
+    assert run(TorchBackend(), SPARSE_PREFILL).status == PASS
+    v = run(Planted(drop), SPARSE_PREFILL)
+    assert v.status == FAIL and v.reason == "max_logits", v.summary()
+    assert [c.detail for c in v.checks if c.name == "max_logits"] == [
+        "a sparse prefill's outputs are out, LSE and max_logits, but the backend returned none "
+        "and said no reason (Output.metadata['max_logits'])"]
+    assert v.metrics["axis"] == "max_logits" and "max_logits only" in v.diagnosis
+
+    def drop_saying_why(res: Output, inputs) -> None:  # noqa: ANN001
+        drop(res, inputs)
+        res.metadata["max_logits"] = "the kernel writes out and LSE only"
+
+    v = run(Planted(drop_saying_why), SPARSE_PREFILL)
+    assert v.status == PASS, v.summary()
+    assert [c.detail for c in v.checks if c.name == "max_logits"] == [
+        "backend returns no max logits (capability); not checked: the kernel writes out and "
+        "LSE only"]
+
+
 def test_wrong_shape_fails_cleanly() -> None:
     def edit(res: Output, inputs) -> None:  # noqa: ANN001
         res.out = res.out[:, :8]
