@@ -218,17 +218,27 @@ def software_versions() -> dict[str, str]:
 
 
 def _checkout_commit(root: Path) -> str:
-    """The short commit of the git checkout mlacheck is imported from ('' if none)."""
+    """The short commit of the git checkout mlacheck is imported from ('' if none), with
+    '+dirty' when its tracked files differ from that commit: a copied or edited tree must not
+    be recorded as the commit it started from."""
     import subprocess
 
     if not (root / ".git").exists():
         return ""
-    try:
-        done = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=5, check=False)
-    except (OSError, subprocess.SubprocessError):
+
+    def git(*args: str) -> subprocess.CompletedProcess[str] | None:
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                                  text=True, timeout=5, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    head = git("rev-parse", "--short", "HEAD")
+    if head is None or head.returncode != 0:
         return ""
-    return done.stdout.strip() if done.returncode == 0 else ""
+    status = git("status", "--porcelain", "--untracked-files=no")
+    dirty = status is None or status.returncode != 0 or bool(status.stdout.strip())
+    return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
 def describe_machine(device: str) -> dict[str, str]:

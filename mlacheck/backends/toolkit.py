@@ -133,11 +133,28 @@ def topk_to_global_slots(topk: torch.Tensor, qo_indptr: torch.Tensor,
 
 
 def library_version(distributions: Sequence[str], module: ModuleType | None = None) -> str:
-    """'dist version' of the first installed distribution, else the module's __version__."""
+    """'dist version' of the first installed distribution. Where the imported module's own
+    __version__ names another release (two installs in one place: the metadata of one, the
+    files of another), the module's wins and the metadata is named beside it, so a run is
+    never labelled with a release whose code did not run."""
+    imported = getattr(module, "__version__", None)
     for dist in distributions:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            return f"{dist} {importlib.metadata.version(dist)}"
-    return str(getattr(module, "__version__", "unknown version"))
+            listed = importlib.metadata.version(dist)
+            if imported is not None and not _same_release(str(imported), listed):
+                return f"{dist} {imported} (its installed metadata says {listed})"
+            return f"{dist} {listed}"
+    return str(imported if imported is not None else "unknown version")
+
+
+def _same_release(a: str, b: str) -> bool:
+    """Equal as PEP 440 versions (0.7.2.post1 == 0.7.2-post1); as strings where unparsable."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(a) == Version(b)
+    except InvalidVersion:
+        return a == b
 
 
 @dataclass

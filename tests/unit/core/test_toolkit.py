@@ -77,3 +77,43 @@ def test_signature_problems_names_absent_renamed_and_new_required() -> None:
     assert problems["renamed"] == "lib.renamed has no parameter 'b' (renamed or removed)"
     assert "requires parameter 'd'" in problems["needs_more"]
     assert problems["gone"] == "lib has no gone"
+
+
+def test_library_version_names_the_imported_release_when_metadata_disagrees(monkeypatch) -> None:
+    """Two installs in one directory (0.2.14's metadata, 0.7.2's files) once labelled a run of
+    FlashInfer 0.7.2 as 0.2.14: the module's own __version__ is what ran."""
+    import importlib.metadata
+    import types
+
+    from mlacheck.backends import toolkit
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "0.2.14.post1")
+    mod = types.ModuleType("fake_lib")
+    mod.__version__ = "0.7.2.post1"
+    assert toolkit.library_version(["fake-lib"], mod) == (
+        "fake-lib 0.7.2.post1 (its installed metadata says 0.2.14.post1)")
+    mod.__version__ = "0.2.14-post1"  # the same release spelled otherwise
+    assert toolkit.library_version(["fake-lib"], mod) == "fake-lib 0.2.14.post1"
+    assert toolkit.library_version(["fake-lib"]) == "fake-lib 0.2.14.post1"
+
+
+def test_checkout_commit_says_dirty_when_tracked_files_differ(tmp_path) -> None:
+    """A tree copied or edited after its commit is recorded as '<commit>+dirty', not as the
+    commit (the GPU machine's copy of a newer tree was recorded as the session's first commit)."""
+    import subprocess
+
+    from mlacheck import preflight
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    clean = preflight._checkout_commit(tmp_path)
+    assert clean and "+" not in clean
+    (tmp_path / "untracked.txt").write_text("not part of the code\n")
+    assert preflight._checkout_commit(tmp_path) == clean
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert preflight._checkout_commit(tmp_path) == clean + "+dirty"
