@@ -89,6 +89,7 @@ class Found:
     entry: Callable[..., Any] | None = None
     kernels: Any = None
     problem: str | None = None
+    no_entry: str | None = None  # with `kernels`: why the entry point was not used
 
 
 def _first_line(e: Exception) -> str:
@@ -98,12 +99,13 @@ def _first_line(e: Exception) -> str:
 def find(import_module: Callable[[str], Any], version: str) -> Found:
     """The installed conversion. `import_module(rel)` imports ENTRY_MODULE / KERNEL_MODULE
     under the adapter's AITER package (raising when it cannot)."""
+    imported = ""
     try:
         entry = getattr(import_module(ENTRY_MODULE), ENTRY, None)
-    except Exception:  # noqa: BLE001 - absent (AITER main) or broken: the kernels may serve
-        entry = None
-    missing = (f"installed aiter {version} has no {ENTRY} ({ENTRY_SOURCE})" if entry is None
-               else signature_problem(entry, ENTRY, CALLED_PARAMETERS[ENTRY]))
+    except Exception as e:  # noqa: BLE001 - absent (AITER main) or broken: the kernels may serve
+        entry, imported = None, f"; importing {ENTRY_MODULE}: {_first_line(e)}"
+    missing = (f"installed aiter {version} has no {ENTRY} ({ENTRY_SOURCE}){imported}"
+               if entry is None else signature_problem(entry, ENTRY, CALLED_PARAMETERS[ENTRY]))
     if missing is None:
         return Found(entry=entry)
     try:
@@ -118,7 +120,7 @@ def find(import_module: Callable[[str], Any], version: str) -> Found:
                                       CALLED_PARAMETERS[name]))
         if why:
             return Found(problem=f"{missing}; {why}")
-    return Found(kernels=kernels)
+    return Found(kernels=kernels, no_entry=missing)
 
 
 def convert(found: Found, local: torch.Tensor, qo_indptr: torch.Tensor,
@@ -131,7 +133,7 @@ def convert(found: Found, local: torch.Tensor, qo_indptr: torch.Tensor,
     dev = local.device
     indptr = torch.zeros(t + 1, dtype=torch.int32, device=dev)
     if not t:
-        return indptr, ENTRY_HOW if found.entry is not None else KERNELS_HOW
+        return indptr, _how(found)
     token_req = sparse_index.token_requests(qo_indptr.cpu()).to(dev, torch.int32)
     table = block_table.to(torch.int32).contiguous()
     valid = torch.ones(t, dtype=torch.bool, device=dev)
@@ -152,4 +154,12 @@ def convert(found: Found, local: torch.Tensor, qo_indptr: torch.Tensor,
         topk_indices_stride=local.stride(0), token_to_req_indices_ptr=token_req,
         block_table_ptr=table, block_table_stride=table.stride(0), block_size=page_size,
         topk=k, BLOCK_SIZE=CONVERSION_BLOCK)
-    return indptr, KERNELS_HOW
+    return indptr, _how(found)
+
+
+def _how(found: Found) -> str:
+    """What converted, for the verdict's `implementation`; with the kernels, why not the entry
+    point (absent from this AITER, or present but not importable / of another signature)."""
+    if found.entry is not None:
+        return ENTRY_HOW
+    return KERNELS_HOW + (f"; not the entry point: {found.no_entry}" if found.no_entry else "")

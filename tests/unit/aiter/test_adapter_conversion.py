@@ -81,6 +81,24 @@ def test_conversion_launches_the_kernels_where_the_entry_point_is_gone(
     v = run_case(RAGGED, _adapter(monkeypatch, "fake_aiter_kernels"))
     assert v.status == PASS, v.reason
     assert v.implementation["conversion"].startswith("_compute_topk_lens_kernel -> indptr")
+    assert "not the entry point: installed aiter" in v.implementation["conversion"]
+    assert f"has no {ENTRY}" in v.implementation["conversion"]
+
+
+def test_a_broken_entry_point_module_is_named_where_the_kernels_serve(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry-point module that exists but fails to import: the kernels convert, and the
+    verdict says why the entry point was not used (not a silent fallback)."""
+    from mlacheck.backends import aiter_conversion
+
+    def import_module(rel: str) -> Any:
+        if rel == ENTRY_MODULE:
+            raise ImportError("cannot import name 'fp8_dtype'")
+        return type("Kernels", (), {k: object() for k in KERNELS})
+
+    found = aiter_conversion.find(import_module, "0.1.19")
+    assert found.kernels is not None and found.entry is None
+    assert "ImportError: cannot import name 'fp8_dtype'" in (found.no_entry or "")
 
 
 @pytest.mark.parametrize("gone", [KERNELS, KERNELS[1:]])
