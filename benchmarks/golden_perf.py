@@ -121,7 +121,7 @@ def phases(results: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--device", default="cuda")
     p.add_argument("--results", action="append", default=[])
     p.add_argument("--json", default=None)

@@ -171,7 +171,7 @@ def prebuild(archive: Path | None = None, kv_format: str | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mlacheck.tools.flashinfer_prebuild",
-                                 description=__doc__.splitlines()[0])
+                                 description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--archive", type=Path, help="also write the prebuilt modules to this tar.xz")
     ap.add_argument("--kv-format", help="only the modules of this K/V format (e.g. fp8_e4m3fn)")
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill modules")
