@@ -208,7 +208,8 @@ def coverage_lines(cov: dict[tuple[str, str], Coverage]) -> list[str]:
 
 # code -> (one word for a CI summary, what it means for the terminal): the one table.
 EXIT_MEANINGS: dict[int, tuple[str, str]] = {
-    EXIT_OK: ("PASS", "everything requested ran and passed"),
+    EXIT_OK: ("PASS", "everything requested ran and passed (SKIPs with reasons and KNOWN failures "
+                       "allowed)"),
     EXIT_KERNEL_FAILURE: ("FAIL", "kernel failure (FAIL, CRASH or strict XPASS)"),
     EXIT_USAGE: ("USAGE ERROR", "usage or environment error"),
     EXIT_SUITE_ERROR: ("SUITE ERROR", "suite error (mlacheck failed, not the kernel)"),
