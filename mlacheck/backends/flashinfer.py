@@ -337,8 +337,9 @@ NO_TOP_K_REASON = ("{version} has no top-k index kernel: its top_k_sampling_from
 # (mlacheck.tools.flashinfer_prebuild installs it); elsewhere the op is the machine's SKIP.
 TOP_K_MODULE = "jit.topk.gen_topk_module"  # the generator, a dotted name under `flashinfer`
 TOP_K_NOT_PREBUILT = machine_setup(
-    "FlashInfer's top-k JIT module is not prebuilt here ({where}); building it takes minutes, "
-    "not started inside an item (topk.py:66-67 builds it on first use; a7167f4): "
+    "FlashInfer's top-k JIT module is not prebuilt here ({where}); building it takes ~16 "
+    "minutes (cub_topk.cu's one nvcc run, measured: docs/flashinfer.md), not started inside "
+    "an item (topk.py:66-67 builds it on first use; a7167f4): "
     "python -m mlacheck.tools.flashinfer_prebuild --topk-only (docs/flashinfer.md)")
 
 
