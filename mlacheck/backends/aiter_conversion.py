@@ -47,7 +47,7 @@ KERNELS = ("_compute_topk_lens_kernel", "_pack_global_topk_ragged_kernel")
 
 # The keywords passed (a kernel's: its Python parameters, `JITFunction.fn`).
 CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
-    ENTRY: ("topk_indices", "token_to_req_indices", "block_table", "block_size",
+    ENTRY: ("topk_indices", "token_to_req_indices", "block_table", "block_size",  # (not an op)
             "is_valid_token"),
     "_compute_topk_lens_kernel": (
         "topk_lens_ptr", "topk_indices_ptr", "topk_indices_stride", "topk", "is_valid_token_ptr",
