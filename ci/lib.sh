@@ -270,6 +270,8 @@ run_matrix() {
     elif [[ ${#RUN_BACKENDS[@]} -eq 0 ]]; then
         src="$src, embedded default backends"
     fi
+    # the draw (SEED): a nightly that takes another each night says which one it took
+    if [[ -z ${MERGE:-} && -n ${SEED:-} ]]; then src="$src, seed offset $SEED"; fi
     for n in "${NOTES[@]}"; do notes+=(--note "$n"); done
     # device and worker count: the summary reads them from the results file's run header
     local src_note=(--note "matrix $src; artifacts in $out")

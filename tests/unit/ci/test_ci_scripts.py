@@ -455,3 +455,6 @@ def test_premerge_seed_knob_draws_another_sample(tmp_path: Path, tiny: Path) -> 
     results = (tmp_path / "artifacts" / "results.jsonl").read_text().splitlines()
     seeds = [json.loads(x)["case"]["seed"] for x in results if '"case_id"' in x]
     assert len(seeds) >= 3 and set(seeds) == {3}, seeds
+    # the summary names the draw too (docs/ci.md: "the summary and results name it")
+    summary = (tmp_path / "artifacts" / "summary.txt").read_text()
+    assert "note: matrix tiny, embedded default backends, seed offset 3;" in summary, summary
