@@ -137,17 +137,19 @@ def verdict(
     `rerun`: the kernel on other inputs, for the probes of a FAIL (none: no probes)."""
     v = _new(case, backend, PASS, implementation_record(implementation or {}, output.metadata))
     failing = None
+    if output.wrote_into_guarded:
+        # the guard rows around the output buffer: here, once for every op (the sparse
+        # prefill and the composed path judge their attention with _judge_numerics too), and
+        # before the op's own checks, whose "only" diagnoses (max_logits only, the outputs
+        # right) read every check made so far
+        viol = inputs.out.violations()
+        v.checks.append(Check("guards", not viol, float(len(viol)), 0.0, "; ".join(viol)))
     if case.op in PIPELINE_OPS:  # logits, selections, slots: judged by their own rules
         from mlacheck import pipeline_judge
 
         pipeline_judge.judge(v, case, inputs, output, gold, baseline, ideal)
     else:
         failing = _judge_numerics(v, case, inputs, output, gold, baseline, ideal)
-    if output.wrote_into_guarded:
-        # the guard rows around the output buffer: here, once for every op (the sparse
-        # prefill and the composed path judge their attention with _judge_numerics too)
-        viol = inputs.out.violations()
-        v.checks.append(Check("guards", not viol, float(len(viol)), 0.0, "; ".join(viol)))
     problems = output.metadata.get("validation")
     if problems:  # the backend's own schedule (e.g. AITER persistent metadata) is wrong
         v.checks.append(Check("metadata", False, detail="; ".join(problems)))

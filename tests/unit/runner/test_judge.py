@@ -162,7 +162,7 @@ def test_wrong_shape_fails_cleanly() -> None:
         res.out = res.out[:, :8]
 
     v = run(Planted(edit))
-    assert v.status == FAIL and v.checks[0].name == "shape"
+    assert v.status == FAIL and [c.name for c in v.failed_checks] == ["shape"], v.summary()
 
 
 def test_exception_is_crash_with_reason() -> None:

@@ -210,6 +210,19 @@ def test_the_guard_rows_are_one_check(case) -> None:  # noqa: ANN001
     assert [c.name for c in v.failed_checks] == ["guards"], v.summary()
 
 
+def test_max_logits_only_is_not_said_when_the_guard_rows_fail_too() -> None:
+    """"max_logits only (the outputs and LSE are right)" reads every check made before it: the
+    guard rows, checked once in judge.verdict, were appended after the sparse prefill's
+    judge, so a write past the output with a wrong max_logits was diagnosed "max_logits only"."""
+    def unscaled_and_past_the_end(out: Output, inp) -> None:  # noqa: ANN001
+        out.extra["max_logits"] = out.extra["max_logits"] / SPF.softmax_scale
+        inp.out.full.view(-1)[-1] = 1  # the last guard element
+
+    v, _ = judged(SPF, unscaled_and_past_the_end)
+    assert failed(v) == {"max_logits", "guards"}, v.summary()
+    assert "max_logits only" not in v.diagnosis and v.metrics["axis"] != "max_logits", v.diagnosis
+
+
 def _near_tie(case: SparsePipelineCase, row: int) -> tuple[int, int, int] | None:
     """(k-th, (k+1)-th, last) golden positions of `row` when the first two are a near-tie
     (their logits within the bounds of each other), else None."""
