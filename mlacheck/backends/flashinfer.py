@@ -364,7 +364,24 @@ def top_k_module_missing(got: Loaded) -> str | None:
         aot = spec.aot_path
     except Exception as e:  # noqa: BLE001 - the generator checks the GPU: a one-line reason
         return TOP_K_NOT_PREBUILT.format(where=f"{TOP_K_MODULE}: {type(e).__name__}: {e}"[:200])
-    return None if aot.exists() else TOP_K_NOT_PREBUILT.format(where=f"no {aot}")
+    if not aot.exists():
+        return TOP_K_NOT_PREBUILT.format(where=f"no {aot}")
+    # A file that does not load (built for another CUDA, truncated) makes build_and_load fall
+    # back to the JIT build inside the item (try_load, jit/core.py:536-570 in 0.7.2.post1):
+    # load it here, once, through the same call.
+    try_load = getattr(spec, "try_load", None)
+    if try_load is not None:
+        try:
+            loaded = try_load()
+        except Exception as e:  # noqa: BLE001 - the library's own error is the reason
+            loaded, why = None, f": {type(e).__name__}: {e}"[:200]
+        else:
+            why = ""
+        if loaded is None:
+            return TOP_K_NOT_PREBUILT.format(
+                where=f"{aot} is there but does not load (FlashInfer's try_load, "
+                      f"jit/core.py:536-570){why}")
+    return None
 
 
 def gpu_arch() -> tuple[int, int] | None:

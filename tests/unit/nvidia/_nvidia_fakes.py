@@ -175,8 +175,8 @@ def fake_flash_mla(bug: str = "") -> types.ModuleType:
 # --------------------------------------------------------------------------- flashinfer
 
 
-def fake_flashinfer(bug: str = "", version: str = "0.2.14", topk_prebuilt: bool = True
-                    ) -> dict[str, types.ModuleType | None]:
+def fake_flashinfer(bug: str = "", version: str = "0.2.14", topk_prebuilt: bool = True,
+                    topk_loads: bool = True) -> dict[str, types.ModuleType | None]:
     """FlashInfer's MLA wrapper and ragged / paged prefill wrappers with the signatures of
     `version`: "0.2.14" (flashinfer-python 0.2.14.post1: no FP8 MLA; the fa2 paged prefill
     refuses K/V caches of different strides, as csrc/batch_prefill.cu does) or "0.7"
@@ -185,7 +185,8 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14", topk_prebuilt: bool 
     FP8 K/V under a 16-bit q, as flashinfer/prefill.py applies them: k_scale into sm_scale, the
     output times v_scale after the kernel; FP8 q refused by fa2's JIT generator; the ragged
     top-k, whose JIT module `topk` is installed as a prebuilt (AOT) module unless
-    `topk_prebuilt=False`)."""
+    `topk_prebuilt=False`; `topk_loads=False`: the file is there but FlashInfer's try_load
+    cannot load it)."""
     root, mla, prefill = (types.ModuleType(n) for n in
                           ("flashinfer", "flashinfer.mla", "flashinfer.prefill"))
     root.__version__ = f"{version}+fake"
@@ -420,7 +421,8 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14", topk_prebuilt: bool 
     # the top-k's JIT module (jit/topk.py:21): an existing file stands for its installed .so
     aot = Path(__file__) if topk_prebuilt else Path(__file__).parent / "no-aot/topk/topk.so"
     jit, jit_topk = types.ModuleType("flashinfer.jit"), types.ModuleType("flashinfer.jit.topk")
-    jit_topk.gen_topk_module = lambda: types.SimpleNamespace(name="topk", aot_path=aot)
+    jit_topk.gen_topk_module = lambda: types.SimpleNamespace(
+        name="topk", aot_path=aot, try_load=lambda: object() if topk_loads else None)
     root.jit, jit.topk = jit, jit_topk
 
     def top_k_ragged_transform(input, offsets, lengths, k, deterministic=False, tie_break=0,  # noqa: A002, ANN001, ANN202

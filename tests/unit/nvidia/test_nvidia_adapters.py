@@ -538,6 +538,21 @@ def test_flashinfer_07_topk_without_the_prebuilt_module_is_the_machines_skip(
     assert _coverage_column([v]) == {(backend.name, Op.TOPK): MACHINE}
 
 
+@pytest.mark.parametrize("kernel", ["fa2", "fa3"])
+def test_flashinfer_07_topk_with_a_prebuilt_module_that_does_not_load_is_the_machines_skip(
+        monkeypatch: pytest.MonkeyPatch, premerge_case_of: dict, kernel: str) -> None:
+    """The .so is there but does not load (built for another CUDA, cut short): FlashInfer
+    would fall back to its 16-minute JIT build inside the item; the adapter says so instead."""
+    from mlacheck.report.coverage import MACHINE
+
+    install(monkeypatch, fake_flashinfer(version="0.7", topk_loads=False))
+    backend = on_cpu(flashinfer.FlashInferBackend(kernel))
+    v = run_case(premerge_case_of[Op.TOPK], backend, RunOptions("cpu"))
+    assert v.status == "SKIP", v.reason
+    assert "is there but does not load (FlashInfer's try_load" in v.reason, v.reason
+    assert _coverage_column([v]) == {(backend.name, Op.TOPK): MACHINE}
+
+
 def test_flashinfer_07_topk_when_the_module_cannot_be_asked_is_the_machines_skip(
         monkeypatch: pytest.MonkeyPatch, premerge_case_of: dict) -> None:
     """The generator checks the GPU first (check_cuda_arch, jit/core.py:122): its error is the
