@@ -94,7 +94,7 @@ MOD_ROPE = "aiter.ops.triton.attention.mla_decode_rope"
 MOD_EXTEND = "aiter.ops.triton.attention.extend_attention"
 MOD_TYPES = "aiter.ops.triton.utils.types"
 MOD_TOPK = "aiter.ops.triton.topk"
-MOD_DSV4 = "aiter.ops.triton._triton_kernels.attention.sparse_attention_dsv4"
+MOD_DSV4 = f"aiter.{aiter_conversion.KERNEL_MODULE}"  # its conversion kernels (one spelling)
 
 # Files (relative to the aiter package) each op needs: checked before anything is imported.
 OP_FILES: dict[str, tuple[str, ...]] = {
