@@ -83,8 +83,12 @@ class PageTable:
 
     def of_requests(self, rows: Sequence[int]) -> PageTable:
         """The table of requests `rows` only, in that order, over the same physical pages:
-        what a kernel is handed when the other requests are left out of its call."""
-        idx = torch.tensor(list(rows), dtype=torch.long)
+        what a kernel is handed when the other requests are left out of its call (itself when
+        that is every request, in order)."""
+        rows = list(rows)
+        if rows == list(range(self.batch)):
+            return self
+        idx = torch.tensor(rows, dtype=torch.long)
         counts = (self.indptr[1:] - self.indptr[:-1])[idx]
         indptr = torch.zeros(idx.numel() + 1, dtype=self.indptr.dtype)
         indptr[1:] = torch.cumsum(counts, 0)

@@ -1016,8 +1016,7 @@ class AiterTritonBackend:
         slots = topk_to_global_slots(inp.topk_indices, inp.qo_indptr, table)
         busy = nonempty_units(case.q_lengths)  # the empty requests left out of the call
         q_lens = [case.requests[r].q_len for r in busy]
-        cu = torch.zeros(len(busy) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+        cu = cu_seqlens(q_lens)
         kv, tile = inp.pool.data, table.page_size
         meta: dict[str, Any] = {"aiter_version": got.version}
         if tile not in native_pages():

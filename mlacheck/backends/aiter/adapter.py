@@ -260,9 +260,7 @@ class AiterAdapter:
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """AITER's page table of the non-empty requests (the empty ones are left out of the
         call): page-level kv_indptr, physical page ids, last-page lengths."""
-        kept = nonempty_units(inputs.case.q_lengths)
-        table = inputs.table
-        return (table if len(kept) == table.batch else table.of_requests(kept)).to_aiter()
+        return inputs.table.of_requests(nonempty_units(inputs.case.q_lengths)).to_aiter()
 
     def decode_schedule(self, case: DecodeCase | SparseDecodeCase,
                         inputs: DecodeInputs) -> DecodeSchedule:
@@ -466,12 +464,13 @@ class AiterAdapter:
         q, k, v = inputs.q.stored, inputs.k.stored, inputs.v.stored
         # the empty segments (q_len 0) left out: the kept ones' cu_seqlens, their K/V rows
         # named through kv_page_indices (block size 1: a row is a page; no copy)
-        kept = [case.segments[s] for s in nonempty_units(case.q_lengths)]
+        units = nonempty_units(case.q_lengths)
+        kept = [case.segments[s] for s in units]
         starts = inputs.cu_seqlens_k.cpu().tolist()
         qo_cpu = cu_seqlens([s.q_len for s in kept])
         kv_cpu = cu_seqlens([s.kv_len for s in kept])
         kv_rows = torch.cat([torch.arange(starts[u], starts[u + 1])
-                             for u in nonempty_units(case.q_lengths)]).to(torch.int32)
+                             for u in units]).to(torch.int32)
         kv_lens = (kv_cpu[1:] - kv_cpu[:-1]).contiguous()
         segments = len(kept)
         max_q = max(s.q_len for s in kept)
@@ -531,10 +530,8 @@ class AiterAdapter:
         dev = inputs.device
         units = nonempty_units(case.q_lengths)  # the empty segments left out of the call
         kept = [case.segments[s] for s in units]
-        table = inputs.k_pool.table  # the K and V pools share it
-        if len(kept) < table.batch:
-            table = table.of_requests(units)
-        kv_indptr, kv_pages, last = table.to_aiter()
+        # the K and V pools share one table
+        kv_indptr, kv_pages, last = inputs.k_pool.table.of_requests(units).to_aiter()
         out = inputs.out.out
         kwargs: dict[str, Any] = dict(
             q=inputs.q.stored.contiguous(), k=inputs.k_pool.data, v=inputs.v_pool.data,
