@@ -30,8 +30,13 @@
   prebuilt (AOT) top-k module: its JIT build takes minutes, which no item may start (a7167f4);
   where it is not installed the op is the machine's SKIP naming the tool that builds it.
 
-Versions: written for flashinfer-python 0.2.14.post1 and 0.7.x (the same wrapper keywords).
-What differs is read from the installed library: 0.7.x's MLA `plan` takes
+Versions: written for flashinfer-python 0.2.14.post1 and 0.7.x. What differs is read from the
+installed library: where `flashinfer.mla` has `MLAPlanMetadata` (0.7.x) the MLA wrapper is
+called in its structural form, `plan(metadata=MLAPlanMetadata.csr(...), query_layout="split",
+kv_cache_layout="split", lse_mode="base2")` and `run(query=(q_nope, q_pe), kv_cache=(ckv,
+kpe))`, the same tensors and plan values as the flat keywords, which 0.7.2.post1 deprecates;
+elsewhere (0.2.14.post1) the flat keywords as before (`implementation.flashinfer.api` says
+which). 0.7.x's MLA `plan` takes
 `scale_mode="kv-per-tensor"` (bf16 q over an fp8_e4m3fn cache, sm_90, per-tensor
 `ckv_scale` / `kpe_scale` in `run`); 0.2.x's fa2 paged prefill refuses K/V caches of
 different strides ("k/v strides must be identical", csrc/batch_prefill.cu), which K 192 and
@@ -76,6 +81,7 @@ from mlacheck.backends.toolkit import (
     lse_empty_rows,
     lse_natural,
     lse_tokens_heads,
+    signature_problems,
     topk_to_global_slots,
 )
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs
@@ -122,10 +128,41 @@ CALLED_PARAMETERS: dict[str, tuple[str, ...]] = {
         "q", "paged_kv_cache", "out", "return_lse"),
     "top_k_ragged_transform": ("input", "offsets", "lengths", "k", "row_starts"),
 }
+# 0.7.x's structural MLA call (flashinfer-python 0.7.2.post1), where the installed library has
+# its metadata type (STRUCTURAL_MLA): plan(metadata=MLAPlanMetadata.csr(...), ...) and
+# run(query=, kv_cache=). 0.7.2 still takes the flat keywords above but warns that they "will
+# be removed" (DeprecationWarning: flat plan metadata, mla/_batch_mla/_wrapper.py:585-597; the
+# q_nope / q_pe / ckv_cache / kpe_cache run keywords, :968-987; the run-time LSE a flat plan
+# allows, :1080-1091). These keywords replace the flat ones' entries in the signature check.
+STRUCTURAL_MLA = "mla.MLAPlanMetadata"  # mla/_batch_mla/_contracts.py:37, flashinfer.mla's
+STRUCTURAL_MLA_PARAMETERS: dict[str, tuple[str, ...]] = {
+    f"{STRUCTURAL_MLA}.csr": ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr"),
+    "mla.BatchMLAPagedAttentionWrapper.plan": (
+        "metadata", "num_heads", "head_dim_ckv", "head_dim_kpe", "page_size", "causal",
+        "sm_scale", "q_data_type", "kv_data_type", "query_layout", "kv_cache_layout", "lse_mode"),
+    "mla.BatchMLAPagedAttentionWrapper.run": ("query", "kv_cache", "out", "return_lse"),
+}
+# The run contract a structural plan declares (_wrapper.py:431-433; checked at run time by
+# MLAInputContract.validate_run_options, _contracts.py:138-142): the flat form's own split
+# layouts (its defaults, _wrapper.py:615-618), so run() gets the same two views per tensor, and
+# the base-2 LSE that return_lse=True without return_lse_base_on_e asks for, which a flat plan
+# (lse_mode "none") allowed only through its deprecated run-time path (_wrapper.py:1080-1091).
+STRUCTURAL_MLA_CONTRACT = {"query_layout": "split", "kv_cache_layout": "split", "lse_mode": "base2"}
+# What the verdict's implementation.flashinfer.api says ran (by structural_mla).
+MLA_API = {
+    True: "structural (MLAPlanMetadata, 0.7.x): plan(metadata=MLAPlanMetadata.csr(qo_indptr, "
+          "kv_indptr, kv_indices, kv_len_arr), query_layout='split', kv_cache_layout='split', "
+          "lse_mode='base2'), run(query=(q_nope, q_pe), kv_cache=(ckv, kpe), return_lse=True)",
+    False: "flat (no MLAPlanMetadata, e.g. 0.2.14.post1): plan(qo_indptr=, kv_indptr=, "
+           "kv_indices=, kv_len_arr=), run(q_nope=, q_pe=, ckv_cache=, kpe_cache=, "
+           "return_lse=True)",
+}
+MLA_FUNCTIONS = (*(k for k in CALLED_PARAMETERS if k.startswith("mla.")),
+                 f"{STRUCTURAL_MLA}.csr")
 OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
-    Op.DECODE: tuple(k for k in CALLED_PARAMETERS if k.startswith("mla.")),
-    Op.SPARSE_DECODE: tuple(k for k in CALLED_PARAMETERS if k.startswith("mla.")),
-    Op.SPARSE_PREFILL: tuple(k for k in CALLED_PARAMETERS if k.startswith("mla.")),
+    Op.DECODE: MLA_FUNCTIONS,
+    Op.SPARSE_DECODE: MLA_FUNCTIONS,
+    Op.SPARSE_PREFILL: MLA_FUNCTIONS,
     Op.PREFILL: tuple(k for k in CALLED_PARAMETERS if k.startswith("prefill.BatchPrefillWithRagged")),
     Op.PAGED_PREFILL: tuple(k for k in CALLED_PARAMETERS if k.startswith("prefill.BatchPrefillWithPaged")),
     Op.TOPK: ("top_k_ragged_transform",),
@@ -445,10 +482,24 @@ def takes_fp8_kv_prefill(got: Loaded, op: str = Op.PREFILL) -> bool:
     return all(p in params for p in PREFILL_FP8_RUN_PARAMETERS)
 
 
+def structural_mla(got: Loaded) -> bool:
+    """The installed MLA wrapper is planned from an MLAPlanMetadata and run on structural
+    query= / kv_cache= values (0.7.x; flashinfer.mla exports the type, mla/_core.py:2835 in
+    0.7.2.post1); else (0.2.14.post1) the flat keywords are its only form."""
+    return has_function(got, STRUCTURAL_MLA)
+
+
 def load() -> Loaded | str:
-    """Import FlashInfer and check the installed signatures; a one-line reason otherwise."""
-    return load_library(MODULE, distributions=DISTRIBUTIONS, install_hint=INSTALL_HINT,
-                        called=CALLED_PARAMETERS, submodules=("mla", "prefill"))
+    """Import FlashInfer and check the installed signatures; a one-line reason otherwise.
+    The MLA wrapper is checked against the keywords of the call the adapter makes with it."""
+    got = load_library(MODULE, distributions=DISTRIBUTIONS, install_hint=INSTALL_HINT,
+                       called=CALLED_PARAMETERS, submodules=("mla", "prefill"))
+    if isinstance(got, str) or not structural_mla(got):
+        return got
+    for qualname in STRUCTURAL_MLA_PARAMETERS:
+        got.problems.pop(qualname, None)
+    got.problems.update(signature_problems(got.function, MODULE, STRUCTURAL_MLA_PARAMETERS))
+    return got
 
 
 class FlashInferBackend(LibraryAdapter):
@@ -612,9 +663,10 @@ class FlashInferBackend(LibraryAdapter):
         q = inputs.q.stored
         fp8_kv = case.quant.kv == FP8_KV_FORMAT
         plan_extra: dict[str, str] = {FP8_PLAN_PARAMETER: "kv-per-tensor"} if fp8_kv else {}
-        wrapper.plan(
+        table = dict(  # the page table, as FlashInfer's CSR metadata
             qo_indptr=qo_indptr.to(dev, torch.int32), kv_indptr=kv_indptr.to(dev, torch.int32),
-            kv_indices=kv_indices.to(dev, torch.int32), kv_len_arr=kv_lens.to(dev, torch.int32),
+            kv_indices=kv_indices.to(dev, torch.int32), kv_len_arr=kv_lens.to(dev, torch.int32))
+        plan = dict(
             num_heads=case.num_heads, head_dim_ckv=rank, head_dim_kpe=case.dims.qk_rope,
             page_size=page_size, causal=causal, sm_scale=case.softmax_scale,
             q_data_type=q.dtype, kv_data_type=cache.dtype, **plan_extra)
@@ -622,15 +674,33 @@ class FlashInferBackend(LibraryAdapter):
         if fp8_kv:  # the pool's per-tensor dequantisation scale, for both parts of the latent
             scale = float(inputs.pool.scale.reshape(-1)[0])
             run_extra = dict.fromkeys(FP8_RUN_PARAMETERS, scale)
-        out, lse = wrapper.run(q_nope=q[..., :rank], q_pe=q[..., rank:],
-                               ckv_cache=cache[..., :rank], kpe_cache=cache[..., rank:],
-                               out=inputs.out.out, return_lse=True, **run_extra)
+        # q [T, H, 576] and the cache [pages, page_size, 576] as (no-PE, PE) views: no copy
+        query, kv_cache = (q[..., :rank], q[..., rank:]), (cache[..., :rank], cache[..., rank:])
+        structural = structural_mla(got)
+        if structural:
+            # 0.7.2.post1's canonical form: plan(*, metadata=, ..., query_layout=,
+            # kv_cache_layout=, lse_mode=) (mla/_batch_mla/_wrapper.py:317-342), the metadata
+            # from MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+            # (_contracts.py:50-63); run(*, query=, kv_cache=, out=, return_lse=True, ...)
+            # (_wrapper.py:773-794), split pairs (not deprecated, :899-906). The fa2 / fa3
+            # backend gets the same four tensors and plan values as from the flat form
+            # (_backends/_fa_common.py:933-949, :994-1009).
+            wrapper.plan(metadata=got.function(f"{STRUCTURAL_MLA}.csr")(**table), **plan,
+                         **STRUCTURAL_MLA_CONTRACT)
+            out, lse = wrapper.run(query=query, kv_cache=kv_cache, out=inputs.out.out,
+                                   return_lse=True, **run_extra)
+        else:
+            wrapper.plan(**table, **plan)
+            out, lse = wrapper.run(q_nope=query[0], q_pe=query[1], ckv_cache=kv_cache[0],
+                                   kpe_cache=kv_cache[1], out=inputs.out.out, return_lse=True,
+                                   **run_extra)
         lse = lse_tokens_heads(lse_natural(lse, LSE_BASE), case.total_q, case.num_heads)
         no_key = torch.repeat_interleave(kv_lens == 0, qo_indptr.diff().to(kv_lens.device))
         if bool(no_key.any()):
             lse = lse_empty_rows(lse, no_key, at_most=float(
                 lse_natural(NO_KEY_LSE_BASE2_AT_MOST, LSE_BASE)))
-        return Output(out, lse, wrote_into_guarded=out.data_ptr() == inputs.out.out.data_ptr())
+        return Output(out, lse, wrote_into_guarded=out.data_ptr() == inputs.out.out.data_ptr(),
+                      metadata={"flashinfer": {"api": MLA_API[structural]}})
 
     def _decode(self, got: Loaded, case: DecodeCase, inputs: DecodeInputs) -> Output:
         kv_indptr, kv_indices, kv_lens = inputs.table.to_flashinfer()
@@ -652,10 +722,10 @@ class FlashInferBackend(LibraryAdapter):
                         qo_indptr=torch.arange(case.total_q + 1, dtype=torch.int32),
                         kv_indptr=kv_indptr, kv_indices=slots[valid], kv_lens=kv_lens,
                         cache=flat, page_size=1, causal=False)
-        out.metadata["flashinfer"] = {"view": (
+        out.metadata["flashinfer"]["view"] = (
             f"top-k as paged attention at page size 1: the pool {tuple(pool.shape)} viewed as "
             f"{tuple(flat.shape)} tokens (no copy); one request per query token "
-            f"({case.total_q}), kv_indices = its valid top-k global slots, causal off")}
+            f"({case.total_q}), kv_indices = its valid top-k global slots, causal off")
         return out
 
     def _sparse_prefill(self, got: Loaded, case: SparsePrefillCase,
