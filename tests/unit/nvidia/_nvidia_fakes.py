@@ -5,17 +5,20 @@ Each fake computes attention in fp32 from the arguments *as the real library rea
 FlashMLA sparse: the 656-byte V3.2 cache decoded as the sm_90 kernel does, global-slot
 indices with -1 masked, LSE +inf for a row without a valid index;
 FlashInfer: qo/kv indptr + kv_indices + kv_len_arr, ckv/kpe as separate strided tensors,
-bottom-right causal ragged prefill, LSE base 2), with the signatures of the real functions
-(FlashMLA main, flashinfer-python 0.2.14). A `bug=` argument plants one fault, so the tests
+bottom-right causal ragged prefill, LSE base 2; 0.7.2's MLA plan / run from MLAPlanMetadata and
+query= / kv_cache= pairs), with the signatures of the real functions (FlashMLA main,
+flashinfer-python 0.2.14.post1 and 0.7.2.post1). A `bug=` argument plants one fault, so the tests
 prove the suite catches it through the adapter.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import sys
 import types
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -180,7 +183,9 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14", topk_prebuilt: bool 
     """FlashInfer's MLA wrapper and ragged / paged prefill wrappers with the signatures of
     `version`: "0.2.14" (flashinfer-python 0.2.14.post1: no FP8 MLA; the fa2 paged prefill
     refuses K/V caches of different strides, as csrc/batch_prefill.cu does) or "0.7"
-    (0.7.2.post1: `plan(scale_mode=)` and `run(ckv_scale=, kpe_scale=)` for an fp8_e4m3fn KV
+    (0.7.2.post1: the MLA wrapper's structural API, `mla.MLAPlanMetadata` and
+    StructuralBatchMLAPagedAttentionWrapper, whose deprecated flat / separate-tensor calls
+    fail here; `plan(scale_mode=)` and `run(ckv_scale=, kpe_scale=)` for an fp8_e4m3fn KV
     cache under bf16 q; unequal K/V strides taken; the prefills' `run(k_scale=, v_scale=)` for
     FP8 K/V under a 16-bit q, as flashinfer/prefill.py applies them: k_scale into sm_scale, the
     output times v_scale after the kernel; FP8 q refused by fa2's JIT generator; the ragged
@@ -195,6 +200,8 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14", topk_prebuilt: bool 
     new_api = version.startswith("0.7")
 
     class BatchMLAPagedAttentionWrapper:
+        """0.2.14.post1's wrapper: flat plan metadata, separate q / cache tensors in run."""
+
         def __init__(self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None,  # noqa: ANN001
                      kv_indptr=None, kv_indices=None, kv_len_arr=None, backend="auto"):
             self.plan_args: dict[str, Any] = {}
@@ -204,10 +211,16 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14", topk_prebuilt: bool 
                  head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type,
                  use_profiler=False, **new):
             assert set(new) <= ({"scale_mode"} if new_api else set()), new
+            self._plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, page_size,
+                       causal, sm_scale, q_data_type, kv_data_type,
+                       new.get("scale_mode", "default"))
+
+        def _plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, page_size,  # noqa: ANN001, ANN202
+                  causal, sm_scale, q_data_type, kv_data_type, scale_mode):
             if kv_data_type == torch.float8_e4m3fn:  # _fa_common.py's checks (0.7)
-                assert q_data_type == torch.bfloat16 and new.get("scale_mode") == "kv-per-tensor"
+                assert q_data_type == torch.bfloat16 and scale_mode == "kv-per-tensor"
             else:
-                assert kv_data_type == q_data_type and new.get("scale_mode", "default") == "default"
+                assert kv_data_type == q_data_type and scale_mode == "default"
             if new_api and causal:
                 fa_common._validate_fa_causal_tile_bound(
                     qo_indptr.diff().tolist(), kv_len_arr.tolist(), num_heads, self.backend,
@@ -219,11 +232,15 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14", topk_prebuilt: bool 
         def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None,  # noqa: ANN001, ANN201
                 return_lse=False, profiler_buffer=None, kv_len=None, page_table=None,
                 return_lse_base_on_e=False, **new):
-            a = self.plan_args
-            assert ckv_cache.shape[1] == a["ps"] and ckv_cache.dtype == a["kv_dtype"]
             fp8 = ckv_cache.dtype == torch.float8_e4m3fn
             assert set(new) == ({"ckv_scale", "kpe_scale"} if fp8 else set()), new
-            ckv_s = 1.0 if bug == "ignores-kv-scale" else new.get("ckv_scale", 1.0)
+            return self._attend(q_nope, q_pe, ckv_cache, kpe_cache, out, return_lse,
+                                new.get("ckv_scale", 1.0), new.get("kpe_scale", 1.0))
+
+        def _attend(self, q_nope, q_pe, ckv_cache, kpe_cache, out, return_lse, ckv_s, kpe_s):  # noqa: ANN001, ANN202
+            a = self.plan_args
+            assert ckv_cache.shape[1] == a["ps"] and ckv_cache.dtype == a["kv_dtype"]
+            ckv_s = 1.0 if bug == "ignores-kv-scale" else ckv_s
             q = torch.cat([q_nope, q_pe], -1)
             out = torch.empty(*q_nope.shape, dtype=q.dtype) if out is None else out
             lse_out = torch.empty(q.shape[:2], dtype=torch.float32)
@@ -237,12 +254,76 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14", topk_prebuilt: bool 
                     continue
                 pages = a["kvi"][a["kvp"][r]: a["kvp"][r + 1]]
                 kv = torch.cat([_take(ckv_cache, pages).float() * ckv_s,
-                                _take(kpe_cache, pages).float() * new.get("kpe_scale", 1.0)], -1)
+                                _take(kpe_cache, pages).float() * kpe_s], -1)
                 kv = kv.reshape(-1, 1, kv.shape[-1])[:n]
                 o, l = attend(q[lo:hi], kv, kv[..., : q_nope.shape[-1]], a["scale"], a["causal"])
                 out[lo:hi] = o.to(out.dtype)
                 lse_out[lo:hi] = l if bug == "lse-natural" else l * log2e
             return (out, lse_out) if return_lse else out
+
+    class StructuralBatchMLAPagedAttentionWrapper(BatchMLAPagedAttentionWrapper):
+        """0.7.2.post1's wrapper (mla/_batch_mla/_wrapper.py): plan() and run() with the real
+        signatures (:410-442, :852-876), whose flat / separate-tensor keywords, positional
+        arguments and run-time LSE of a flat plan are deprecated there (DeprecationWarning,
+        "will be removed"): here they fail. plan(metadata=MLAPlanMetadata) declares the run
+        contract (layouts, lse_mode, scale_mode) that run() is held to (_contracts.py:138-212)
+        and checks the CSR metadata strictly (_planning.py:84-148)."""
+
+        @_keywords_only
+        def plan(self, qo_indptr=None, kv_indptr=None, kv_indices=None, kv_len_arr=None,  # noqa: ANN001, ANN201
+                 num_heads=None, head_dim_ckv=None, head_dim_kpe=None, page_size=None,
+                 causal=None, sm_scale=None, q_data_type=None, kv_data_type=None,
+                 use_profiler=False, *, metadata=None, cum_seq_lens_q=None, block_tables=None,
+                 seq_lens=None, max_q_len=None, query_layout=None, kv_cache_layout=None,
+                 lse_mode="none", output_dtype=None, output_scale="none",
+                 scale_mode="default", skip_softmax=False, enable_pdl=None, use_sinks=False):
+            flat = {n for n, v in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
+                                   ("kv_indices", kv_indices), ("kv_len_arr", kv_len_arr),
+                                   ("cum_seq_lens_q", cum_seq_lens_q),
+                                   ("block_tables", block_tables), ("seq_lens", seq_lens),
+                                   ("max_q_len", max_q_len)) if v is not None}
+            assert not flat, f"flat plan metadata is deprecated in 0.7.2 (_wrapper.py:597): {flat}"
+            assert isinstance(metadata, MLAPlanMetadata), metadata
+            required = (num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale,
+                        q_data_type, kv_data_type)
+            if any(v is None for v in required):
+                raise TypeError("plan() missing required arguments")  # _wrapper.py:612-614
+            assert (output_dtype, output_scale, skip_softmax, use_sinks) == (
+                None, "none", False, False)
+            csr = _strict_csr(metadata, page_size)
+            self.contract = dict(query=query_layout or "packed",
+                                 kv_cache=kv_cache_layout or "packed", lse_mode=lse_mode,
+                                 scale_mode=scale_mode, widths=(head_dim_ckv, head_dim_kpe))
+            self._plan(*csr, num_heads, page_size, causal, sm_scale, q_data_type, kv_data_type,
+                       scale_mode)
+
+        @_keywords_only
+        def run(self, q_nope=None, q_pe=None, ckv_cache=None, kpe_cache=None, out=None,  # noqa: ANN001, ANN201
+                lse=None, return_lse=False, profiler_buffer=None, kv_len=None,
+                page_table=None, return_lse_base_on_e=False, o_scale=None, *, query=None,
+                kv_cache=None, ckv_scale=None, ckv_scale_arr=None, kpe_scale=None, sinks=None,
+                skip_softmax_threshold_scale_factor=None, bmm1_scale=None, bmm2_scale=None):
+            legacy = {n for n, v in (("q_nope", q_nope), ("q_pe", q_pe),
+                                     ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache))
+                      if v is not None}
+            assert not legacy, f"deprecated in 0.7.2 (_wrapper.py:986-987): {legacy}"
+            assert query is not None and kv_cache is not None
+            c = self.contract
+            asked = ("none" if not (return_lse or lse is not None or return_lse_base_on_e)
+                     else "basee" if return_lse_base_on_e else "base2")
+            if asked != c["lse_mode"]:  # _contracts.py:138-142
+                raise ValueError(f"MLA planned run argument LSE mode mismatch: planned "
+                                 f"{c['lse_mode']!r}, got {asked!r}; re-plan with the needed "
+                                 "arguments.")
+            if (c["scale_mode"] == "kv-per-tensor") != (
+                    ckv_scale is not None and kpe_scale is not None):  # _contracts.py:200-212
+                raise ValueError("ckv_scale / kpe_scale go with scale_mode='kv-per-tensor'")
+            assert lse is None and ckv_scale_arr is None and o_scale is None and sinks is None
+            q_parts = _structural(query, c["query"], c["widths"], "query")
+            kv_parts = _structural(kv_cache, c["kv_cache"], c["widths"], "KV cache")
+            return self._attend(*q_parts, *kv_parts, out, return_lse,
+                                1.0 if ckv_scale is None else ckv_scale,
+                                1.0 if kpe_scale is None else kpe_scale)
 
     def check_dtypes(backend: str, q_data_type: Any, kv_data_type: Any) -> None:
         """What 0.7.2.post1's plan meets: fa2's generator asserts on FP8 q
@@ -395,12 +476,15 @@ def fake_flashinfer(bug: str = "", version: str = "0.2.14", topk_prebuilt: bool 
     fa_common = types.ModuleType("flashinfer.mla._batch_mla._backends._fa_common")
     fa_common._validate_fa_causal_tile_bound = _validate_fa_causal_tile_bound
     fa_common._BackendPlanUnsupportedError = _BackendPlanUnsupportedError
-    mla.BatchMLAPagedAttentionWrapper = BatchMLAPagedAttentionWrapper
+    mla.BatchMLAPagedAttentionWrapper = (StructuralBatchMLAPagedAttentionWrapper if new_api
+                                         else BatchMLAPagedAttentionWrapper)
+    if new_api:
+        mla.MLAPlanMetadata = MLAPlanMetadata
     prefill.BatchPrefillWithRaggedKVCacheWrapper = BatchPrefillWithRaggedKVCacheWrapper
     prefill.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
     # what inspect.signature shows: 0.7's keyword-only FP8 parameters, none in 0.2.14
-    _add_keywords(BatchMLAPagedAttentionWrapper.plan, ("scale_mode",) if new_api else ())
-    _add_keywords(BatchMLAPagedAttentionWrapper.run, ("ckv_scale", "kpe_scale") if new_api else ())
+    _add_keywords(BatchMLAPagedAttentionWrapper.plan, ())
+    _add_keywords(BatchMLAPagedAttentionWrapper.run, ())
     _add_keywords(BatchPrefillWithRaggedKVCacheWrapper.run,
                   ("q_scale", "k_scale", "v_scale", "o_scale") if new_api else ())
     for wrapper in (BatchPrefillWithRaggedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper):
@@ -463,10 +547,87 @@ def _take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t[rows.long()]
 
 
+@dataclass(frozen=True)
+class MLAPlanMetadata:
+    """0.7.2.post1's canonical MLA plan metadata (mla/_batch_mla/_contracts.py:37-102)."""
+
+    qo_indptr: torch.Tensor | None = None
+    kv_indptr: torch.Tensor | None = None
+    kv_indices: torch.Tensor | None = None
+    kv_len_arr: torch.Tensor | None = None
+    cum_seq_lens_q: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    max_q_len: int | None = None
+
+    @classmethod
+    def csr(cls, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+            kv_len_arr: torch.Tensor) -> MLAPlanMetadata:
+        return cls(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                   kv_len_arr=kv_len_arr)
+
+    @classmethod
+    def dense(cls, cum_seq_lens_q: torch.Tensor, block_tables: torch.Tensor,
+              seq_lens: torch.Tensor, max_q_len: int | None = None) -> MLAPlanMetadata:
+        return cls(cum_seq_lens_q=cum_seq_lens_q, block_tables=block_tables, seq_lens=seq_lens,
+                   max_q_len=max_q_len)
+
+
+def _strict_csr(m: MLAPlanMetadata, page_size: int) -> tuple[torch.Tensor, ...]:
+    """The CSR form as 0.7.2's canonical (strict) plan checks it (_planning.py:84-148): int32,
+    rank 1, contiguous; one batch size throughout; ceil(kv_len / page_size) pages per request.
+    The fake takes the CSR form only (FA2 / FA3 consume it natively)."""
+    csr = (m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_len_arr)
+    assert all(isinstance(t, torch.Tensor) for t in csr), "the fake plans from CSR metadata"
+    for t in csr:
+        assert t.dtype == torch.int32 and t.ndim == 1 and t.is_contiguous(), t
+    qo, kvp, kvi, lens = (t.long() for t in csr)
+    assert qo[0] == 0 and kvp[0] == 0 and len(kvp) == len(qo) == len(lens) + 1
+    assert int(kvp[-1]) <= len(kvi)
+    assert torch.equal(kvp.diff(), (lens + page_size - 1) // page_size), "pages per request"
+    return csr
+
+
+def _structural(value: Any, layout: str, widths: tuple[int, int],
+                name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A structural query= / kv_cache= value as the fa2 / fa3 backend gets it, (no-PE, PE)
+    (_contracts.py:437-484): a packed rank-3 tensor is split along its last axis; a split pair
+    (an exact 2-tuple of rank-3 tensors) must be what the plan declared."""
+    if isinstance(value, torch.Tensor):
+        assert value.ndim == 3 and value.shape[-1] == sum(widths), (name, value.shape)
+        return value[..., : widths[0]], value[..., widths[0]:]
+    assert type(value) is tuple and len(value) == 2, f"{name}: a tensor or an exact 2-tuple"
+    assert layout == "split", f"{name}: split values need a split plan here"
+    left, right = value
+    assert left.ndim == right.ndim == 3 and left.shape[:-1] == right.shape[:-1], name
+    assert (left.shape[-1], right.shape[-1]) == widths and left.dtype == right.dtype, name
+    return left, right
+
+
+def _keywords_only(method: Any) -> Any:
+    """0.7.2 warns on positional plan() / run() arguments (_wrapper.py:150-159): here they
+    fail. The signature stays the real one (functools.wraps, as there)."""
+    @functools.wraps(method)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        assert not args, "positional MLA arguments are deprecated in 0.7.2"
+        return method(self, **kwargs)
+    return wrapped
+
+
+def record_calls(cls: type, method: str, seen: list[dict[str, Any]]) -> None:
+    """Record the keywords of each call of cls.method; its signature is kept, so the
+    adapter's signature checks see the fake's."""
+    real = getattr(cls, method)
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs)
+        return real(self, *args, **kwargs)
+    spy.__signature__ = inspect.signature(real)  # type: ignore[attr-defined]
+    setattr(cls, method, spy)
+
+
 def _add_keywords(fn: Any, names: tuple[str, ...]) -> None:
     """Give fn (which takes **kwargs) a signature that names `names` as keyword-only."""
-    import inspect
-
     sig = inspect.signature(fn)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in names]

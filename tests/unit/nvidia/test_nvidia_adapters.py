@@ -9,10 +9,11 @@ that a planted library fault FAILs through the adapter. What does not: the real 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
-from _nvidia_fakes import fake_flash_mla, fake_flashinfer, install, on_cpu  # noqa: I001  (test-local helper)
+from _nvidia_fakes import fake_flash_mla, fake_flashinfer, install, on_cpu, record_calls  # noqa: I001  (test-local helper)
 
 from mlacheck.backends import flashinfer, flashmla
 from mlacheck.backends.base import Capability
@@ -20,6 +21,7 @@ from mlacheck.harness import RunOptions, run_case
 from mlacheck.inputs import build
 from mlacheck.kvcache import repaged
 from mlacheck.spec import (
+    Case,
     DecodeCase,
     Op,
     Paging,
@@ -29,6 +31,7 @@ from mlacheck.spec import (
     Request,
     Segment,
     SparseDecodeCase,
+    SparsePrefillCase,
 )
 
 BF16 = Quant("bf16", "bf16")
@@ -81,12 +84,16 @@ def test_repaged_pool_holds_the_same_tokens_and_poisons_the_tail() -> None:
 
 @pytest.mark.parametrize("case", DECODE_CASES + PREFILL_CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("kernel", ["fa2", "fa3"])
+@pytest.mark.parametrize("version", ["0.2.14", "0.7"])
 def test_flashinfer_adapter_passes_against_a_faithful_fake(
-        monkeypatch: pytest.MonkeyPatch, case: DecodeCase | PrefillCase, kernel: str) -> None:
-    install(monkeypatch, fake_flashinfer())
+        monkeypatch: pytest.MonkeyPatch, case: DecodeCase | PrefillCase, kernel: str,
+        version: str) -> None:
+    install(monkeypatch, fake_flashinfer(version=version))
     v = run_case(case, on_cpu(flashinfer.FlashInferBackend(kernel)), RunOptions("cpu"))
     assert v.status == "PASS", v.reason
     assert v.implementation["flashinfer"]["kernel"] == kernel
+    if case.op == Op.DECODE:  # the MLA wrapper's call: structural where 0.7's API is there
+        assert v.implementation["flashinfer"]["api"] == flashinfer.MLA_API[version == "0.7"]
 
 
 @pytest.mark.parametrize(("bug", "case"), [("lse-natural", DECODE_CASES[0]),
@@ -210,13 +217,15 @@ def test_flashinfer_paged_prefill_reading_the_poisoned_tail_fails(
 
 
 @pytest.mark.parametrize("case", SPARSE_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("version", ["0.2.14", "0.7"])
 def test_flashinfer_topk_decode_runs_as_page_size_1_over_a_view_of_the_pool(
-        monkeypatch: pytest.MonkeyPatch, case: SparseDecodeCase) -> None:
-    install(monkeypatch, fake_flashinfer())
+        monkeypatch: pytest.MonkeyPatch, case: SparseDecodeCase, version: str) -> None:
+    install(monkeypatch, fake_flashinfer(version=version))
     v = run_case(case, on_cpu(flashinfer.FlashInferBackend("fa3")), RunOptions("cpu"))
     assert v.status == "PASS", v.reason
     view = v.implementation["flashinfer"]["view"]
     assert "page size 1" in view and "no copy" in view and f"({case.total_q})" in view
+    assert v.implementation["flashinfer"]["api"] == flashinfer.MLA_API[version == "0.7"]
 
 
 def test_flashinfer_topk_decode_with_a_planted_fault_fails(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -258,18 +267,9 @@ FP8_KV_PREFILL = [
 
 def _recording_runs(fi: dict) -> list[dict]:
     """Record the keywords each prefill wrapper's run() gets (signature kept for the checks)."""
-    import inspect
-
     seen: list[dict] = []
     for name in ("BatchPrefillWithRaggedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"):
-        cls = getattr(fi["flashinfer.prefill"], name)
-        real = cls.run
-
-        def run(self, *args, _real=real, **kwargs):  # noqa: ANN001, ANN202
-            seen.append(kwargs)
-            return _real(self, *args, **kwargs)
-        run.__signature__ = inspect.signature(real)
-        cls.run = run
+        record_calls(getattr(fi["flashinfer.prefill"], name), "run", seen)
     return seen
 
 
@@ -570,3 +570,125 @@ def test_flashinfer_07_topk_when_the_module_cannot_be_asked_is_the_machines_skip
                  RunOptions("cpu"))
     assert v.status == "SKIP" and "RuntimeError: FlashInfer requires GPUs" in v.reason, v.reason
     assert _coverage_column([v]) == {("flashinfer", Op.TOPK): MACHINE}
+
+
+# --------------------------------------------------------------------------- 0.7's structural
+# MLA API: plan(metadata=MLAPlanMetadata.csr(...)) / run(query=, kv_cache=), where 0.7.2.post1
+# deprecates the flat plan metadata and the q_nope / q_pe / ckv_cache / kpe_cache keywords
+
+SPARSE_PREFILL_CASE = SparsePrefillCase(segments=(Segment(6, 40), Segment(5, 0)), topk=64,
+                                        num_heads=16, empty_rows=1)
+FLAT_PLAN = set(flashinfer.CALLED_PARAMETERS["mla.BatchMLAPagedAttentionWrapper.plan"])
+FLAT_RUN = set(flashinfer.CALLED_PARAMETERS["mla.BatchMLAPagedAttentionWrapper.run"])
+
+
+def _recorded_mla(monkeypatch: pytest.MonkeyPatch, version: str, case: Case, kernel: str = "fa2"
+                  ) -> tuple[Any, list[dict], list[dict]]:
+    """(verdict, plan() keywords, run() keywords) of one case through the MLA wrapper."""
+    fi = fake_flashinfer(version=version)
+    plans: list[dict] = []
+    runs: list[dict] = []
+    wrapper = fi["flashinfer.mla"].BatchMLAPagedAttentionWrapper
+    record_calls(wrapper, "plan", plans)
+    record_calls(wrapper, "run", runs)
+    install(monkeypatch, fi)
+    v = run_case(case, on_cpu(flashinfer.FlashInferBackend(kernel)), RunOptions("cpu"))
+    return v, plans, runs
+
+
+def _adjacent_views(pair: tuple[torch.Tensor, torch.Tensor], rank: int, width: int) -> bool:
+    """(no-PE, PE) are views of one [..., width] buffer: no copy was made for the call."""
+    nope, pe = pair
+    return (nope.stride() == pe.stride() and nope.stride(-2) == width
+            and pe.data_ptr() - nope.data_ptr() == rank * nope.element_size()
+            and nope.untyped_storage().data_ptr() == pe.untyped_storage().data_ptr())
+
+
+@pytest.mark.parametrize("case", [DECODE_CASES[1], DECODE_CASES[2], SPARSE_CASES[0],
+                                  SPARSE_PREFILL_CASE], ids=lambda c: c.id)
+def test_flashinfer_07_mla_wrapper_gets_the_structural_call(
+        monkeypatch: pytest.MonkeyPatch, case: Case) -> None:
+    """Decode, the top-k decode and sparse prefill compositions: metadata=MLAPlanMetadata.csr
+    with the flat form's split layouts and a base-2 LSE declared at plan time, query= /
+    kv_cache= as (no-PE, PE) views; none of 0.7.2's deprecated keywords (the fake fails them)."""
+    v, plans, runs = _recorded_mla(monkeypatch, "0.7", case)
+    assert v.status == "PASS", v.reason
+    assert v.implementation["flashinfer"]["api"] == flashinfer.MLA_API[True]
+    assert len(plans) == len(runs) == 1
+    plan, run = plans[0], runs[0]
+    assert set(plan) == set(flashinfer.STRUCTURAL_MLA_PARAMETERS[
+        "mla.BatchMLAPagedAttentionWrapper.plan"]) and not FLAT_PLAN - set(plan) - {
+        "qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr"}
+    assert (plan["query_layout"], plan["kv_cache_layout"], plan["lse_mode"]) == (
+        "split", "split", "base2")
+    assert plan["sm_scale"] == case.softmax_scale and plan["causal"] is (case.op == Op.DECODE)
+    meta = plan["metadata"]
+    assert type(meta).__name__ == "MLAPlanMetadata" and meta.block_tables is None
+    assert all(t.dtype == torch.int32 for t in (meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+                                                meta.kv_len_arr))
+    assert set(run) == {"query", "kv_cache", "out", "return_lse"} and run["return_lse"] is True
+    rank, width = case.dims.kv_lora_rank, case.dims.kv_lora_rank + case.dims.qk_rope
+    assert _adjacent_views(run["query"], rank, width)
+    assert _adjacent_views(run["kv_cache"], rank, width)
+    assert run["kv_cache"][0].shape[1] == plan["page_size"]
+    lse = next(c for c in v.checks if c.name == "lse")  # the run still returns the LSE
+    assert lse.passed and "not checked" not in lse.detail, lse.detail
+
+
+@pytest.mark.parametrize("case", [DECODE_CASES[1], SPARSE_CASES[0], SPARSE_PREFILL_CASE],
+                         ids=lambda c: c.id)
+def test_flashinfer_02_mla_wrapper_keeps_the_flat_call(
+        monkeypatch: pytest.MonkeyPatch, case: Case) -> None:
+    """0.2.14.post1 (no MLAPlanMetadata) gets the call as it was: the flat keywords only."""
+    v, plans, runs = _recorded_mla(monkeypatch, "0.2.14", case)
+    assert v.status == "PASS", v.reason
+    assert v.implementation["flashinfer"]["api"] == flashinfer.MLA_API[False]
+    assert [set(p) for p in plans] == [FLAT_PLAN] and [set(r) for r in runs] == [FLAT_RUN]
+
+
+def test_flashinfer_07_fake_refuses_what_0_7_2_deprecates() -> None:
+    """The 0.7 fake fails the calls 0.7.2 warns on, so the tests above can fail: the flat plan
+    metadata, the separate-tensor run keywords, positional arguments, and an LSE asked of a plan
+    that declared none (0.7.2 raises on that last one itself, _contracts.py:141-142)."""
+    fi = fake_flashinfer(version="0.7")
+    mla = fi["flashinfer.mla"]
+    i32 = torch.int32
+    table = dict(qo_indptr=torch.tensor([0, 1], dtype=i32),
+                 kv_indptr=torch.tensor([0, 1], dtype=i32),
+                 kv_indices=torch.tensor([0], dtype=i32), kv_len_arr=torch.tensor([3], dtype=i32))
+    plan = dict(num_heads=1, head_dim_ckv=512, head_dim_kpe=64, page_size=4, causal=False,
+                sm_scale=0.1, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    w = mla.BatchMLAPagedAttentionWrapper(torch.empty(1), backend="fa2")
+    with pytest.raises(AssertionError, match="flat plan metadata"):
+        w.plan(**table, **plan)
+    with pytest.raises(AssertionError, match="positional"):
+        w.plan(*table.values(), **plan)
+    bad = dict(table, kv_len_arr=torch.tensor([5], dtype=i32))  # 5 keys in 1 page of 4
+    with pytest.raises(AssertionError, match="pages per request"):
+        w.plan(metadata=mla.MLAPlanMetadata.csr(**bad), **plan)
+    w.plan(metadata=mla.MLAPlanMetadata.csr(**table), **plan, query_layout="split",
+           kv_cache_layout="split")  # lse_mode "none"
+    q = torch.zeros(1, 1, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 4, 576, dtype=torch.bfloat16)
+    query, kv_cache = (q[..., :512], q[..., 512:]), (kv[..., :512], kv[..., 512:])
+    with pytest.raises(AssertionError, match="deprecated"):
+        w.run(q_nope=query[0], q_pe=query[1], ckv_cache=kv_cache[0], kpe_cache=kv_cache[1],
+              return_lse=True)
+    with pytest.raises(ValueError, match="LSE mode mismatch"):
+        w.run(query=query, kv_cache=kv_cache, return_lse=True)
+    assert w.run(query=query, kv_cache=kv_cache).shape == (1, 1, 512)
+
+
+def test_flashinfer_07_structural_signature_change_refuses_the_mla_ops(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 0.7's API the wrapper is checked against the structural keywords: a run() without
+    kv_cache= refuses the MLA ops naming it (the flat keywords it still has do not count)."""
+    fi = fake_flashinfer(version="0.7")
+    wrapper = fi["flashinfer.mla"].BatchMLAPagedAttentionWrapper
+    wrapper.run = lambda self, q_nope=None, q_pe=None, ckv_cache=None, kpe_cache=None, out=None, \
+        return_lse=False, *, query=None: None
+    install(monkeypatch, fi)
+    caps = flashinfer.FlashInferBackend().capabilities()
+    for op in (Op.DECODE, Op.SPARSE_DECODE, Op.SPARSE_PREFILL):
+        assert caps[op].refusal and "'kv_cache'" in caps[op].refusal, caps[op].refusal
+    assert caps[Op.PREFILL].refusal is None
