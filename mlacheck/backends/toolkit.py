@@ -138,6 +138,8 @@ def library_version(distributions: Sequence[str], module: ModuleType | None = No
     files of another), the module's wins and the metadata is named beside it, so a run is
     never labelled with a release whose code did not run."""
     imported = getattr(module, "__version__", None)
+    if imported is not None and _placeholder(str(imported)):
+        imported = None  # a build without its version file: the metadata is all there is
     for dist in distributions:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             listed = importlib.metadata.version(dist)
@@ -145,6 +147,19 @@ def library_version(distributions: Sequence[str], module: ModuleType | None = No
                 return f"{dist} {imported} (its installed metadata says {listed})"
             return f"{dist} {listed}"
     return str(imported if imported is not None else "unknown version")
+
+
+def _placeholder(version: str) -> bool:
+    """A __version__ that names no release: FlashInfer's "0.0.0+unknown" when its _build_meta
+    is missing (a source build; flashinfer/version.py:28-30 in 0.7.2.post1). Taken as the
+    release it would read as 0.0, and the adapters' release checks would refuse as a 0.2-line
+    kernel limit what the installed 0.7 runs."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).release == (0,) * len(Version(version).release)
+    except InvalidVersion:
+        return "unknown" in version.lower()
 
 
 def _same_release(a: str, b: str) -> bool:

@@ -97,6 +97,30 @@ def test_library_version_names_the_imported_release_when_metadata_disagrees(monk
     assert toolkit.library_version(["fake-lib"]) == "fake-lib 0.2.14.post1"
 
 
+def test_library_version_ignores_a_placeholder_module_version(monkeypatch) -> None:
+    """FlashInfer built from source without its _build_meta says "0.0.0+unknown"; preferred
+    over the metadata it made `release()` (0, 0) and a 0.7 install a 0.2-line kernel limit."""
+    import importlib.metadata
+    import types
+
+    from mlacheck.backends import flashinfer, toolkit
+
+    def version(dist: str) -> str:
+        if dist != "fake-lib":
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return "0.7.2.post1"
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    mod = types.ModuleType("fake_lib")
+    for placeholder in ("0.0.0+unknown", "0.0.0", "unknown"):
+        mod.__version__ = placeholder
+        label = toolkit.library_version(["fake-lib"], mod)
+        assert label == "fake-lib 0.7.2.post1"
+        assert flashinfer.release(label) == (0, 7)
+    mod.__version__ = "0.0.0+unknown"
+    assert toolkit.library_version(["not-installed"], mod) == "unknown version"
+
+
 def test_checkout_commit_says_dirty_when_tracked_files_differ(tmp_path) -> None:
     """A tree copied or edited after its commit is recorded as '<commit>+dirty', not as the
     commit (the GPU machine's copy of a newer tree was recorded as the session's first commit)."""
