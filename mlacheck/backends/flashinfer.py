@@ -373,6 +373,11 @@ NO_TOP_K_REASON = ("{version} has no top-k index kernel: its top_k_sampling_from
 # past its 600 s (a7167f4). So the adapter calls the top-k only where that module is prebuilt
 # (mlacheck.tools.flashinfer_prebuild installs it); elsewhere the op is the machine's SKIP.
 TOP_K_MODULE = "jit.topk.gen_topk_module"  # the generator, a dotted name under `flashinfer`
+# A release whose top-k module generator is not where 0.7.x keeps it (jit/topk.py:21) has the
+# kernel somewhere the adapter does not look: the adapter's omission, not the machine's.
+TOP_K_GENERATOR_MOVED = adapter_choice(
+    "{version}: the top-k module's generator flashinfer." + TOP_K_MODULE + " is not there "
+    "({error}); the adapter loads FlashInfer's top-k only through it")
 TOP_K_NOT_PREBUILT = machine_setup(
     "FlashInfer's top-k JIT module is not prebuilt here ({where}); building it takes ~16 "
     "minutes (cub_topk.cu's one nvcc run, measured: docs/flashinfer.md), not started inside "
@@ -397,7 +402,12 @@ def top_k_module_missing(got: Loaded) -> str | None:
     first (and what build_jit_specs(skip_prebuilt=True) checks, jit/core.py:838)."""
     module, _, name = TOP_K_MODULE.rpartition(".")
     try:
-        spec = getattr(importlib.import_module(f"{got.module.__name__}.{module}"), name)()
+        generator = getattr(importlib.import_module(f"{got.module.__name__}.{module}"), name)
+    except (ImportError, AttributeError) as e:  # a release that moved it: the adapter's to follow
+        return TOP_K_GENERATOR_MOVED.format(
+            version=got.version, error=f"{type(e).__name__}: {e}"[:200])
+    try:
+        spec = generator()
         aot = spec.aot_path
     except Exception as e:  # noqa: BLE001 - the generator checks the GPU: a one-line reason
         return TOP_K_NOT_PREBUILT.format(where=f"{TOP_K_MODULE}: {type(e).__name__}: {e}"[:200])

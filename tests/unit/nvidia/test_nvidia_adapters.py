@@ -692,3 +692,19 @@ def test_flashinfer_07_structural_signature_change_refuses_the_mla_ops(
     for op in (Op.DECODE, Op.SPARSE_DECODE, Op.SPARSE_PREFILL):
         assert caps[op].refusal and "'kv_cache'" in caps[op].refusal, caps[op].refusal
     assert caps[Op.PREFILL].refusal is None
+
+
+def test_flashinfer_topk_generator_not_where_07_keeps_it_is_the_adapters_skip(
+        monkeypatch: pytest.MonkeyPatch, premerge_case_of: dict) -> None:
+    """A release that moved or renamed `jit.topk.gen_topk_module` still has the kernel; the
+    adapter no longer finds its module. That is the adapter's to follow (coverage's adapter
+    column), not a machine without a prebuilt module (found in review)."""
+    from mlacheck.report.coverage import ADAPTER
+
+    modules = fake_flashinfer(version="0.7")
+    monkeypatch.delattr(modules["flashinfer.jit.topk"], "gen_topk_module")
+    install(monkeypatch, modules)
+    v = run_case(premerge_case_of[Op.TOPK], on_cpu(flashinfer.FlashInferBackend("fa2")),
+                 RunOptions("cpu"))
+    assert v.status == "SKIP" and "jit.topk.gen_topk_module is not there" in v.reason, v.reason
+    assert _coverage_column([v]) == {("flashinfer", Op.TOPK): ADAPTER}
