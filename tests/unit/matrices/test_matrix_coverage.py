@@ -29,7 +29,8 @@ SMOKE_MAX_CASES = 64  # smoke is one small case per feature (60 before the 6 spa
 # the 2-core CI machine; 90 leaves room for one more such step, not for a runaway case.
 SMOKE_CPU_SECONDS = 90
 # moderate: CPU-feasible, minutes on a GPU (half of it the covering arrays since issue 34)
-PREMERGE_CASES = range(150, 551)  # 459 with issue 34, + 55 of the sparse path (issue 29)
+PREMERGE_CASES = range(150, 551)  # 459 with issue 34, + 55 of the sparse path (issue 29), + 2
+# ragged conversions at page 1 and 64, topk 2048 (AITER converts into that layout only): 516
 
 
 @pytest.fixture(scope="module")
