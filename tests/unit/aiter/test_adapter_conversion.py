@@ -16,6 +16,7 @@ from mlacheck import sparse_index
 from mlacheck.backends.aiter import AiterAdapter, model_gfx950_factory
 from mlacheck.backends.aiter_conversion import ENTRY, ENTRY_MODULE, KERNEL_MODULE, KERNELS
 from mlacheck.harness import run_case
+from mlacheck.matrices.loader import load
 from mlacheck.report.coverage import KERNEL, skip_class
 from mlacheck.spec import IndexConversionCase, Placement, Request
 from mlacheck.verdict import FAIL, PASS, SKIP
@@ -113,6 +114,24 @@ def test_conversion_without_entry_point_or_kernels_is_a_sourced_skip(
     assert "_triton_kernels/attention/sparse_attention_dsv4.py:64-129 at ROCm/aiter e4048607a5" in v.reason
     assert adapter.unavailable() is None  # the other ops are unaffected
     assert adapter.capabilities()["mla_sparse_decode"].refusal is None
+
+
+@pytest.mark.parametrize("entry", [True, False])
+def test_premerge_ragged_conversion_at_topk_2048_passes(monkeypatch: pytest.MonkeyPatch,
+                                                        entry: bool) -> None:
+    """premerge's page-1 / page-64 conversions at topk 2048 in AITER's (ragged) layout, through
+    the entry point (v0.1.18 .. v0.1.19.post2) and through the kernels (main)."""
+    fake = FakeEntry()
+    adapter = _adapter(monkeypatch, f"fake_aiter_premerge_{entry}",
+                       **({ENTRY_KEY: fake} if entry else {}))
+    cases = [mc.case for mc in load("premerge").cases
+             if mc.group == "index-conversion-pages" and mc.case.index_layout == "ragged"]
+    assert sorted(c.page_size for c in cases) == [1, 64]
+    for case in cases:
+        v = run_case(case, adapter)
+        assert v.status == PASS, v.reason
+        assert v.implementation["conversion"].startswith(ENTRY if entry else KERNELS[0])
+    assert len(fake.calls) == (2 if entry else 0)
 
 
 def test_row_major_conversion_is_aiters_limit(monkeypatch: pytest.MonkeyPatch) -> None:

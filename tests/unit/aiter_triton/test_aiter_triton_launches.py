@@ -19,6 +19,7 @@ from mlacheck.backends.aiter_model.ops.triton._triton_kernels.attention import (
 )
 from mlacheck.backends.base import Capability
 from mlacheck.harness import RunOptions, run_case
+from mlacheck.matrices.loader import load
 from mlacheck.spec import DecodeCase, PrefillCase, Quant, Request, Segment
 from mlacheck.verdict import PASS
 
@@ -458,7 +459,9 @@ class FakeDsv4Conversion:
     """_compute_topk_lens_kernel and _pack_global_topk_ragged_kernel
     (_triton_kernels/attention/sparse_attention_dsv4.py:64-129, AITER e4048607a5) as the AITER
     model computes them, their launches recorded. `bug`: "no-block-table" packs through an
-    identity block table (the positions themselves)."""
+    identity block table (the positions themselves); "page-boundary" takes position p's page
+    as (p + 1) // block_size, an off-by-one that sends each page's last position through the
+    next page's table entry (every position at page size 1)."""
 
     def __init__(self, bug: str = "") -> None:
         self.bug = bug
@@ -469,7 +472,15 @@ class FakeDsv4Conversion:
         if self.bug == "no-block-table":
             table = kw["block_table_ptr"]
             kw["block_table_ptr"] = torch.arange(table.shape[1]).repeat(table.shape[0], 1)
-        model_dsv4.pack_global_topk_ragged(**kw)
+        if self.bug != "page-boundary":
+            model_dsv4.pack_global_topk_ragged(**kw)
+            return
+        # packed as if p + 1, then p + 1's in-page offset swapped for p's: the page of p + 1
+        local, bs = kw["topk_indices_ptr"], kw["block_size"]
+        model_dsv4.pack_global_topk_ragged(**{**kw, "topk_indices_ptr": torch.where(
+            local >= 0, local + 1, local)})
+        p = local[local >= 0]  # the ragged order: each row's valid positions come first
+        kw["global_topk_ragged_ptr"][: p.numel()] += (p % bs - (p + 1) % bs).to(torch.int32)
 
 
 @pytest.fixture
@@ -500,6 +511,23 @@ def test_ragged_index_conversion_runs_aiters_dsv4_kernels(
     assert v.implementation["conversion"].startswith("_compute_topk_lens_kernel -> indptr")
     fake_conversion.bug = "no-block-table"
     assert run_case(case, OnCpu(), RunOptions("cpu")).status == "FAIL"
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_premerge_ragged_conversion_at_topk_2048_catches_a_page_boundary_off_by_one(
+        fake_conversion: FakeDsv4Conversion, page_size: int) -> None:
+    """premerge's index-conversion-pages in the layout AITER converts into: page 1 (every
+    position a page boundary) and 64 at V3.2's topk 2048. Row-major, its only layout before,
+    is the AITER adapters' SKIP, so the gate never ran their conversion at these edges."""
+    (case,) = [mc.case for mc in load("premerge").cases
+               if mc.group == "index-conversion-pages" and mc.case.page_size == page_size
+               and mc.case.index_layout == "ragged"]
+    assert case.topk == 2048
+    v = run_case(case, OnCpu(), RunOptions("cpu"))
+    assert v.status == PASS, v.reason
+    fake_conversion.bug = "page-boundary"
+    v = run_case(case, OnCpu(), RunOptions("cpu"))
+    assert v.status == "FAIL" and "slots" in [c.name for c in v.failed_checks], v.summary()
 
 
 def test_row_major_index_conversion_is_the_kernels_limit(
