@@ -262,8 +262,11 @@ def load_api(module_name: str) -> AiterApi | str:
     if fp8.fmt(chip_format).dtype != fp8_dtype:
         return (f"{module_name}.dtypes.fp8 is {fp8_dtype} but {gfx} computes in {chip_format}: "
                 "inconsistent chip detection (GPU_ARCHS?)")
-    api = AiterApi(module, mla, gfx, fp8_dtype, chip_format, cu_num,
-                   library_version(dists or [top], module))
+    # The torch model names itself (no distribution of its own: mlacheck's metadata against
+    # its AITER-shaped __version__ read as two installs, found in review)
+    version = (library_version(dists, module) if dists else
+               getattr(module, "VERSION_MARKER", None) or library_version([top], module))
+    api = AiterApi(module, mla, gfx, fp8_dtype, chip_format, cu_num, version)
     api.problems = {name: problem + _known_version_hint(problem) for name, problem in
                     signature_problems(api.function, module_name, CALLED_PARAMETERS).items()}
     return api

@@ -118,6 +118,10 @@ def test_model_passes_the_signature_checks(monkeypatch: pytest.MonkeyPatch, gfx:
         assert not isinstance(api, str), api
         assert api.problems == {} and api.gfx == gfx
         assert model_adapter().unavailable() is None
+        # the model names itself, not two installs of one library (mlacheck's metadata
+        # against its AITER-shaped __version__; found in review)
+        assert api.version.startswith("mlacheck torch model of AITER"), api.version
+        assert "installed metadata" not in api.version
 
 
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "nonpersistent"])
