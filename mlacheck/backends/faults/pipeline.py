@@ -18,7 +18,7 @@ topk-not-localised          the prefill form returns batch-wide positions, not r
                             row's window start
 conversion-minus1-to-slot   -1 padding converted as position 0 (a valid-looking slot)
 conversion-contiguous-base  slot = the request's first slot + position: right only while a
-                            request's pages are contiguous
+                            request's pages are contiguous (row-major and ragged)
 conversion-ragged-indptr    a ragged buffer published with row-major offsets (t * topk)
 sparse-prefill-minus1-slot0 the sparse prefill reads index -1 as row 0
 sparse-prefill-max-logits-unscaled  max_logits returned without the softmax scale
@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from mlacheck import sparse_index
 from mlacheck.backends import torch_pipeline as tp
 from mlacheck.backends.base import Output
 from mlacheck.backends.faults._base import Wrapper, torch_only
@@ -188,16 +189,20 @@ class ConversionContiguousBase(_Stage):
     ops = (Op.INDEX_CONVERSION,)
 
     def run(self, case: Case, inputs: Any) -> Output:
-        res = self.torch.run(case, inputs)
-        if case.index_layout != "row_major":  # type: ignore[union-attr]
-            return res
         ps = case.page_size  # type: ignore[union-attr]
         qo = inputs.qo_indptr.long().cpu()
         req = torch.repeat_interleave(torch.arange(qo.numel() - 1), qo[1:] - qo[:-1])
         first = inputs.block_table.long().cpu()[req, 0] * ps
         local = inputs.local.long().cpu()
         slots = torch.where(local >= 0, first[:, None] + local, torch.full_like(local, -1))
-        return _written(inputs, slots.to(torch.int32))
+        if case.index_layout == "row_major":  # type: ignore[union-attr]
+            return _written(inputs, slots.to(torch.int32))
+        # ragged (AITER's only form): the same wrong slots, packed as the torch backend packs
+        # the right ones (the -1 entries, and so the indptr, are unchanged)
+        res = self.torch.run(case, inputs)
+        flat = sparse_index.to_ragged(slots).flat
+        inputs.out.out[: flat.numel()] = flat.to(inputs.out.out.dtype).to(inputs.out.out.device)
+        return res
 
 
 class ConversionRaggedIndptr(_Stage):
