@@ -677,8 +677,12 @@ def folded_kv_offsets_wrong(case: DecodeCase, gfx: str | None = None) -> bool:
                 kv_fmt.is_fp8 and kv_fmt.name != chip_fp8.name):
             return False  # the chip refuses the case: it never runs
         heads = head_padding(case.num_heads).padded
-        lens = [r.kv_len for r in case.requests]
-        q_lens = [r.q_len for r in case.requests]
+        # the requests the adapter hands the planner: the empty ones are left out of the call
+        # (page_table_for_decode / decode_schedule); planned over all of them, the rule missed
+        # a nightly case the model's planner gets wrong (unlabelled FAIL, 4x H200, 2026-11-27)
+        kept = [case.requests[r] for r in nonempty_units(case.q_lengths)]
+        lens = [r.kv_len for r in kept]
+        q_lens = [r.q_len for r in kept]
         if not aiter_folds_heads(chip, heads, max(q_lens), q_fmt.is_fp8, kv_fmt.is_fp8):
             return False
         pages = [-(-n // case.page_size) for n in lens]

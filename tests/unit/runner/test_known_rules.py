@@ -288,3 +288,32 @@ def test_flashinfer_fp8_kv_prefill_rule_follows_the_head_width_and_the_keys_a_ro
             ((Segment(16),), MLADims(qk_nope=192), fp8, False)):  # qk 256
         case = PrefillCase(segments=segments, dims=dims, quant=quant)
         assert known.flashinfer_fa2_one_byte_k_row_partly_unread(case) is expected, (segments, dims)
+
+
+def test_finding_2_rule_plans_the_requests_the_adapter_hands_the_planner() -> None:
+    """Since e86526d the AITER adapter leaves empty requests (q_len 0) out of the call, so
+    AITER's planner sees only the others; the rule planned all of them and missed a nightly
+    case whose kept requests the model's planner gets wrong: an unlabelled FAIL that turned the
+    nightly red (torch + aiter-model + aiter-triton, 4x H200, 2026-11-27; replayed on the CPU).
+    The rule and the adapter plan the same requests: with the empty ones dropped from the case,
+    the decision is the same, for every nightly decode case that has empty requests."""
+    from mlacheck.backends.aiter.adapter import folded_kv_offsets_wrong
+
+    cases = [mc.case for mc in load("nightly").cases
+             if mc.case.op == Op.DECODE and 0 in mc.case.q_lengths]
+    assert cases
+    for case in cases:
+        kept = dataclasses.replace(case, requests=tuple(r for r in case.requests if r.q_len))
+        for gfx in (None, "gfx942", "gfx950"):
+            assert folded_kv_offsets_wrong(case, gfx) == folded_kv_offsets_wrong(kept, gfx), (
+                case.id, gfx)
+
+
+def test_finding_2_labels_the_nightly_case_with_empty_requests() -> None:
+    """The nightly case that FAILed unlabelled: the model's planner gives request 2's split work
+    another tail length; the verdict now carries finding 2's rule (a KNOWN failure)."""
+    case = next(mc.case for mc in load("nightly").cases
+                if mc.case.id.startswith("dec-b6-kv0-4161-empty2-h48-p64-bf16-shuffled-sentinel"))
+    v = harness.run_case(case, resolve("aiter-model-gfx942"))
+    assert v.status == "FAIL" and v.reason == "metadata", v.summary()
+    assert v.known_rule == "aiter-v12-folded-last-page-lens-gfx942", v.summary()
