@@ -154,22 +154,24 @@ def _placeholder(version: str) -> bool:
     is missing (a source build; flashinfer/version.py:28-30 in 0.7.2.post1). Taken as the
     release it would read as 0.0, and the adapters' release checks would refuse as a 0.2-line
     kernel limit what the installed 0.7 runs."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(version).release == (0,) * len(Version(version).release)
-    except InvalidVersion:
-        return "unknown" in version.lower()
+    parsed = _parsed(version)
+    return "unknown" in version.lower() if parsed is None else not any(parsed.release)
 
 
 def _same_release(a: str, b: str) -> bool:
     """Equal as PEP 440 versions (0.7.2.post1 == 0.7.2-post1); as strings where unparsable."""
+    pa, pb = _parsed(a), _parsed(b)
+    return pa == pb if pa is not None and pb is not None else a == b
+
+
+def _parsed(version: str) -> Any:
+    """The PEP 440 version, or None where `version` is not one."""
     from packaging.version import InvalidVersion, Version
 
     try:
-        return Version(a) == Version(b)
+        return Version(version)
     except InvalidVersion:
-        return a == b
+        return None
 
 
 @dataclass
