@@ -35,9 +35,13 @@ from mlacheck.matrices import load
 LARGEST_CASES = 3  # --inputs: how many of the matrix's largest cases are timed
 
 
-def phases(path: str | Path) -> dict[str, Any]:
-    """Items, statuses and per-phase seconds summed over the latest line of each item."""
-    records = results.latest_per_item(results.read_raw(path).records)
+def phases(path: str | Path, spawned: float | None = None, ended: float | None = None
+           ) -> dict[str, Any]:
+    """Items, statuses and per-phase seconds summed over the latest line of each item.
+    `spawned` / `ended`: when the run's process was started and when it ended (epoch seconds),
+    for the time outside the items (timeline's `outside_items_s`)."""
+    raw = results.read_raw(path)
+    records = results.latest_per_item(raw.records)
     total: dict[str, float] = {}
     statuses: dict[str, int] = {}
     for rec in records:
@@ -47,10 +51,21 @@ def phases(path: str | Path) -> dict[str, Any]:
         total["wall"] = total.get("wall", 0.0) + float(rec.get("wall") or 0.0)
     return {"items": len(records), "statuses": statuses,
             "summed_s": {k: round(v, 1) for k, v in sorted(total.items())},
-            "longest_cases": longest_cases(records), "timeline": timeline(records)}
+            "longest_cases": longest_cases(records),
+            "timeline": timeline(records, _run_started(raw.headers), spawned, ended)}
 
 
-def timeline(records: list[dict[str, Any]]) -> dict[str, Any]:
+def _run_started(headers: list[Any]) -> float | None:
+    """When the run's session started (its first header), epoch seconds."""
+    for h in headers:
+        started = getattr(h, "started", None)
+        if started:
+            return float(started)
+    return None
+
+
+def timeline(records: list[dict[str, Any]], session_started: float | None = None,
+             spawned: float | None = None, ended: float | None = None) -> dict[str, Any]:
     """How the workers spent the run (items record when and where they ran): the span from
     the first item's start to the last one's end, each worker's busy share, what ended last,
     and the kernel time of each worker's first item of a backend against that backend's
@@ -60,7 +75,11 @@ def timeline(records: list[dict[str, Any]]) -> dict[str, Any]:
     the backend's later items. What a worker pays once for a backend outside its kernel call
     (importing the library, loading its kernels) shows only there: on the H100 and on a 4x
     H200 host (2026-11-26) a worker's first aiter-triton item took 4.8-7.0 s where it was a
-    SKIP (later SKIPs 0.001 s), while its first kernel call took 0.45-0.5 s on average."""
+    SKIP (later SKIPs 0.001 s), while its first kernel call took 0.45-0.5 s on average.
+
+    `outside_items_s` (when the process's start and end are known): what the run spent before
+    its first item and after its last one, split at the session's start (the run header): a
+    fixed cost of every run that more GPUs do not shorten."""
     timed = [r for r in records if r.get("started") and r.get("worker")]
     if not timed:
         return {}
@@ -92,7 +111,20 @@ def timeline(records: list[dict[str, Any]]) -> dict[str, Any]:
         into = later_items if key in seen else first_items
         seen.add(key)
         into.setdefault(key[1], []).append(float(r.get("wall") or 0))
+    out: dict[str, Any] = {}
+    if spawned is not None and ended is not None:
+        out["outside_items_s"] = {
+            "to_session": round(session_started - spawned, 1) if session_started else None,
+            "session_to_first_item": round(t0 - session_started, 1) if session_started else None,
+            "to_first_item": round(t0 - spawned, 1),
+            "after_last_item": round(ended - end, 1)}
+        firsts_at = {}
+        for r in timed:
+            w = str(r["worker"])
+            firsts_at[w] = min(firsts_at.get(w, float("inf")), float(r["started"]) - spawned)
+        out["worker_first_item_at_s"] = {w: round(v, 1) for w, v in sorted(firsts_at.items())}
     return {
+        **out,
         "span_s": round(span, 1), "workers": len(busy),
         "busy_share": {w: round(b / span, 2) for w, b in sorted(busy.items())} if span else {},
         "ended_last": {"case": last["case_id"], "backend": last["backend"],
@@ -150,12 +182,12 @@ def run_once(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         cmd += ["--backend", b]
     if args.workers:
         cmd += ["-n", str(args.workers)]
-    t = time.perf_counter()
+    t, spawned = time.perf_counter(), time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    wall = time.perf_counter() - t
+    wall, ended = time.perf_counter() - t, time.time()
     # ru_maxrss of waited-for children: the largest single process of the run (KiB on Linux)
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / (1 << 20)
-    got = phases(out / "results.jsonl")
+    got = phases(out / "results.jsonl", spawned, ended)
     return {"exit": proc.returncode, "wall_s": round(wall, 1),
             "items_per_s": round(got["items"] / wall, 2), "peak_process_gib": round(peak, 2),
             **got}
