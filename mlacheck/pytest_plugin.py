@@ -109,8 +109,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_STATE] = state
     if config.pluginmanager.hasplugin("xdist") and not config.pluginmanager.has_plugin("mla-xdist"):
         config.pluginmanager.register(_XdistHooks(), "mla-xdist")
-    if worker and info.get(_GPU_DIR):
-        _publish_gpu(state, Path(info[_GPU_DIR]), str(info.get("workerid", "")))
     if worker and info.get(_MATRIX_CACHE):
         from mlacheck.matrices.loader import adopt_expansions
 
@@ -767,9 +765,20 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         items[:] = keep
 
 
+@pytest.hookimpl(tryfirst=True)  # a worker: before xdist sends its collection
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Without xdist: the selected items (after -k / -m) are what this run means to run."""
+    """Without xdist: the selected items (after -k / -m) are what this run means to run.
+
+    An xdist worker of a GPU run says which GPU it runs on here, after it collected and
+    before the controller learns its collection (the scheduler reads it then): asking the
+    GPU waits for the worker's CUDA context, and on 4 GPUs the 32 workers' contexts were
+    made ~10.7 s into the run while their collections, which need no GPU, took 1.7 s after
+    it when they waited for it (MLA_TRACE patch, 4x H200, 2026-11-27)."""
     if is_worker(session.config):
+        info = session.config.workerinput  # type: ignore[attr-defined]
+        if info.get(_GPU_DIR):
+            _publish_gpu(session.config.stash[_STATE], Path(info[_GPU_DIR]),
+                         str(info.get("workerid", "")))
         return
     state: _State = session.config.stash[_STATE]
     state.write_header([it.nodeid for it in session.items if _mla_param(it) is not None])

@@ -83,7 +83,7 @@ def case_scheduler(config: Any, log: Any, need: dict[str, int],
         def gpus(self) -> dict[str, tuple[str, int]]:
             """{worker id: (GPU, budget)}, read again while a collected worker (a late one, or
             one replacing a crashed one) has not been seen (a worker publishes before it
-            collects)."""
+            sends its collection: pytest_plugin.pytest_collection_finish)."""
             if gpu_dir is None:
                 return {}
             if self._gpus is None or any(n.gateway.id not in self._gpus

@@ -90,3 +90,36 @@ def test_worker_start_order(monkeypatch: pytest.MonkeyPatch, gpu_run: bool, plat
     info = {"workerid": "gw5", "workercount": 8, **({pytest_plugin._GPU_DIR: "/tmp/g"} if gpu_run else {})}
     pytest_plugin._start_worker(info)
     assert order == ["gpu 5", *(["context"] if context else []), "torch 8"]
+
+
+@pytest.mark.parametrize("gpu_run", [True, False])
+def test_worker_publishes_its_gpu_after_collecting_before_sending(
+        monkeypatch: pytest.MonkeyPatch, gpu_run: bool) -> None:
+    """A GPU run's worker publishes its GPU once collected (asking the GPU waits for its
+    context: collecting does not), and before xdist's own hook sends the collection to the
+    controller, whose scheduler reads it then; a CPU run's worker publishes nothing."""
+    import pluggy
+    from _pytest import hookspec
+
+    order: list[str] = []
+    monkeypatch.setattr(pytest_plugin, "_publish_gpu",
+                        lambda state, folder, worker: order.append(f"publish {worker} {folder}"))
+
+    class XdistWorker:  # xdist.remote.WorkerInteractor's hook, as it is declared there
+        @pytest.hookimpl
+        def pytest_collection_finish(self, session: object) -> None:
+            order.append("send collection")
+
+    class Config:
+        workerinput = {"workerid": "gw3", **({pytest_plugin._GPU_DIR: "/tmp/g"} if gpu_run else {})}
+        stash = {pytest_plugin._STATE: object()}
+
+    class Session:
+        config = Config()
+
+    pm = pluggy.PluginManager("pytest")
+    pm.add_hookspecs(hookspec)
+    pm.register(pytest_plugin, "mlacheck")
+    pm.register(XdistWorker(), "xdist-worker")  # registered later: called first unless tryfirst
+    pm.hook.pytest_collection_finish(session=Session())
+    assert order == [*(["publish gw3 /tmp/g"] if gpu_run else []), "send collection"]
