@@ -243,6 +243,10 @@ def cmd_run(args: argparse.Namespace, extra: list[str], stage: dict[str, Any] | 
     """`stage`: how far the run got, for _run_guarded when a signal ends it early."""
     stage = {} if stage is None else stage
     stage["report"] = args.report
+    if args.device != "cpu":  # a GPU run (or maybe one): the host's driver woken up first
+        from mlacheck import cuda_context
+
+        cuda_context.init_driver()
     from mlacheck import results as results_file
     from mlacheck.backends.registry import builtin_name
     from mlacheck.matrices import load

@@ -243,3 +243,47 @@ def test_the_usability_probe_answers_as_the_listing_does_and_without_its_process
     monkeypatch.setattr(sys, "executable", "/nonexistent/python")
     probe = UsabilityProbe(specs)
     assert probe._proc is None and probe.result() == expected
+
+
+@pytest.mark.parametrize(("set_by_user", "seen"), [(None, "1"), ("0", "0")])
+def test_the_probe_asks_torch_for_gpus_through_nvml(monkeypatch: pytest.MonkeyPatch,
+                                                    set_by_user: str | None, seen: str) -> None:
+    """The probe's device check does not initialise CUDA beside the workers making their
+    contexts (torch's PYTORCH_NVML_BASED_CUDA_CHECK); a user's own setting is kept."""
+    from mlacheck import inventory
+
+    if set_by_user is None:
+        monkeypatch.delenv(inventory.NVML_CHECK_ENV, raising=False)
+    else:
+        monkeypatch.setenv(inventory.NVML_CHECK_ENV, set_by_user)
+    envs: list[dict[str, str]] = []
+
+    class Popen:
+        def __init__(self, argv: list[str], **kw: object) -> None:
+            envs.append(dict(kw["env"]))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(subprocess, "Popen", Popen)
+    probe = inventory.UsabilityProbe(["torch"], "cuda")
+    probe._proc = None
+    probe.close()
+    assert envs[0][inventory.NVML_CHECK_ENV] == seen
+    assert envs[0]["PATH"] == os.environ["PATH"]  # the rest of the environment as it is
+
+
+def test_the_probe_process_leaves_once_its_answer_is_written(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No interpreter teardown of what it imported (the first item waits for its end)."""
+    from mlacheck import inventory
+
+    exits: list[int] = []
+
+    def leave(code: int) -> None:
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(inventory.os, "_exit", leave)
+    answer = tmp_path / "answer.json"
+    with pytest.raises(SystemExit):
+        inventory._probe_main(str(answer), None, ["torch"])
+    assert exits == [0]
+    assert json.loads(answer.read_text())["names"] == {"torch": "torch"}

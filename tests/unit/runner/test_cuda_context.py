@@ -36,6 +36,7 @@ class FakeDriver:
 def driver(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
     fake = FakeDriver()
     monkeypatch.setattr(cuda_context, "_started", [])
+    monkeypatch.setattr(cuda_context, "_driver_started", [])
     monkeypatch.delenv(cuda_context.NO_EARLY_CONTEXT_ENV, raising=False)
     monkeypatch.setattr(cuda_context.ctypes, "CDLL",
                         lambda name: fake if name == "libcuda.so.1" else ctypes.CDLL(name))
@@ -123,3 +124,32 @@ def test_worker_publishes_its_gpu_after_collecting_before_sending(
     pm.register(XdistWorker(), "xdist-worker")  # registered later: called first unless tryfirst
     pm.hook.pytest_collection_finish(session=Session())
     assert order == [*(["publish gw3 /tmp/g"] if gpu_run else []), "send collection"]
+
+
+def test_the_run_initialises_the_driver_alone_in_a_daemon_thread(driver: FakeDriver,
+                                                                  monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    """`mlacheck run`'s own process: cuInit only (no context, so no GPU memory), once; the
+    knob and a machine without the driver start nothing."""
+    thread = cuda_context.init_driver()
+    assert thread is not None and thread.daemon
+    thread.join(5)
+    assert driver.calls == [("cuInit", 0, "mlacheck-cuda-init")]
+    assert cuda_context.init_driver() is thread and len(driver.calls) == 1
+    monkeypatch.setattr(cuda_context, "_driver_started", [])
+    monkeypatch.setenv(cuda_context.NO_EARLY_CONTEXT_ENV, "1")
+    assert cuda_context.init_driver() is None
+
+
+@pytest.mark.parametrize(("device", "initialised"), [("cuda", True), ("auto", True),
+                                                     ("cuda:1", True), ("cpu", False)])
+def test_mlacheck_run_wakes_the_driver_first_on_a_gpu_run(
+        monkeypatch: pytest.MonkeyPatch, device: str, initialised: bool) -> None:
+    """Before anything else of the run (here a -k expression that is a usage error, found
+    next): on a CPU run the driver is left alone."""
+    from mlacheck import cli
+
+    woken: list[bool] = []
+    monkeypatch.setattr(cuda_context, "init_driver", lambda: woken.append(True))
+    assert cli.main(["run", "--device", device, "-k", "(("]) == 2
+    assert woken == ([True] if initialised else [])
