@@ -121,17 +121,17 @@ class UsabilityProbe:
         os.close(fd)
         code = ("import sys; from mlacheck.inventory import _probe_main; "
                 "_probe_main(sys.argv[1], sys.argv[2] or None, sys.argv[3:])")
-        env = dict(os.environ)
-        # torch.cuda.is_available() / device_count() from NVML (AMD SMI on ROCm; torch falls
-        # back to the runtime where neither answers) instead of initialising CUDA: on a 4-GPU
-        # host the probe's is_available() took 3.1 s while 32 workers made their contexts
-        # (MLA_TRACE patch, 4x H200, 2026-11-27), and the first item waits for this answer
-        env.setdefault(NVML_CHECK_ENV, "1")
+        # The environment as it is, not torch's PYTORCH_NVML_BASED_CUDA_CHECK=1 (its
+        # is_available() answered 3.1 s sooner on 4x H200, 2026-11-27): torch then counts the
+        # GPUs NVML / AMD SMI list (torch/cuda/__init__.py: is_available, _device_count_nvml,
+        # _device_count_amdsmi), not those the runtime can use, which the workers check. A
+        # driver older than torch's CUDA: the run started and ended in exit 6 on failed
+        # collections, not exit 2; ROCm with HIP_VISIBLE_DEVICES="": no GPU (exit 2) where HIP
+        # uses those CUDA_VISIBLE_DEVICES leaves (preflight._visible_ids).
         try:  # its output is the file: what a library prints on import is not read
             self._proc: Any = subprocess.Popen(
                 [sys.executable, "-c", code, self._path, device or "", *self.specs],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                env=env)
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         except OSError:
             self._proc = None
 
@@ -166,11 +166,6 @@ class UsabilityProbe:
         for path in (self._path, f"{self._path}.part"):  # .part: a probe killed mid-write
             with contextlib.suppress(OSError):
                 os.unlink(path)
-
-
-# torch's own switch (torch/cuda/__init__.py, _nvml_based_avail): is_available() and
-# device_count() ask NVML / AMD SMI instead of initialising the GPU runtime
-NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def _probe_main(path: str, device: str | None, specs: list[str]) -> None:

@@ -245,29 +245,39 @@ def test_the_usability_probe_answers_as_the_listing_does_and_without_its_process
     assert probe._proc is None and probe.result() == expected
 
 
-@pytest.mark.parametrize(("set_by_user", "seen"), [(None, "1"), ("0", "0")])
-def test_the_probe_asks_torch_for_gpus_through_nvml(monkeypatch: pytest.MonkeyPatch,
-                                                    set_by_user: str | None, seen: str) -> None:
-    """The probe's device check does not initialise CUDA beside the workers making their
-    contexts (torch's PYTORCH_NVML_BASED_CUDA_CHECK); a user's own setting is kept."""
+# torch as on a host whose NVML sees a GPU that the CUDA runtime cannot use (a driver older
+# than torch's CUDA, nvidia-uvm not loaded, a MIG GPU without instances): torch.cuda's
+# device_count() asks NVML (torch/cuda/__init__.py, device_count / _device_count_nvml), and
+# is_available() does too where PYTORCH_NVML_BASED_CUDA_CHECK=1 (_nvml_based_avail), else the
+# runtime (cudaGetDeviceCount), which finds no GPU there
+NVML_SEES_A_GPU = """
+import os
+import torch
+torch.cuda.is_available = lambda: os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1"
+torch.cuda.device_count = lambda: 1
+open(os.environ["FAKE_TORCH_SEEN"], "a").write(str(os.getpid()) + "\\n")
+"""
+
+
+def test_the_probe_checks_the_device_as_the_workers_will(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`mlacheck run --device cuda`: the probe's answer is the one its workers will meet (they
+    resolve the device with torch's runtime); with torch's NVML check the probe let the run
+    start, each worker's collection failed on the device, and the run ended in exit 6 with
+    tracebacks instead of the one-line exit 2 (found in review of e9eb022)."""
     from mlacheck import inventory
 
-    if set_by_user is None:
-        monkeypatch.delenv(inventory.NVML_CHECK_ENV, raising=False)
-    else:
-        monkeypatch.setenv(inventory.NVML_CHECK_ENV, set_by_user)
-    envs: list[dict[str, str]] = []
-
-    class Popen:
-        def __init__(self, argv: list[str], **kw: object) -> None:
-            envs.append(dict(kw["env"]))  # type: ignore[arg-type]
-
-    monkeypatch.setattr(subprocess, "Popen", Popen)
+    (tmp_path / "sitecustomize.py").write_text(NVML_SEES_A_GPU)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("FAKE_TORCH_SEEN", str(tmp_path / "seen"))
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
     probe = inventory.UsabilityProbe(["torch"], "cuda")
-    probe._proc = None
-    probe.close()
-    assert envs[0][inventory.NVML_CHECK_ENV] == seen
-    assert envs[0]["PATH"] == os.environ["PATH"]  # the rest of the environment as it is
+    proc = probe._proc
+    answer = probe.result()
+    assert proc is not None and proc.returncode == 0  # answered by the probe, not in here
+    assert (tmp_path / "seen").read_text().split() == [str(proc.pid)]  # with the fake torch
+    assert answer.error.startswith("device 'cuda' requested but torch")
 
 
 def test_the_probe_process_leaves_once_its_answer_is_written(
