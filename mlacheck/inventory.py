@@ -171,7 +171,17 @@ class UsabilityProbe:
 def _probe_main(path: str, device: str | None, specs: list[str]) -> None:
     """The probe process: its answer written, it leaves without tearing down the libraries it
     imported (torch, AITER: 0.5-0.7 s between the answer and the process's end on a 4x H200
-    host, 2026-11-27, which the first item waited for)."""
+    host, 2026-11-27, which the first item waited for).
+
+    When it checks a GPU device, it first starts its own cuInit in the background
+    (cuda_context.init_driver), before it imports torch and the backends, ~1.5 s before the
+    workers exist. Torch's runtime still answers the check, as in the workers, but it then
+    finds the driver initialised. Made there, among 32 workers' contexts, the check took
+    2.3-3.1 s on 4x H200 (MLA_TRACE patch, 2026-11-27); a lone cuInit takes 0.2-0.3 s."""
+    if device is not None and device != "cpu":
+        from mlacheck import cuda_context
+
+        cuda_context.init_driver()
     _write_check(path, device, specs)
     os._exit(0)
 

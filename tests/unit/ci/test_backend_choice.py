@@ -297,3 +297,24 @@ def test_the_probe_process_leaves_once_its_answer_is_written(
         inventory._probe_main(str(answer), None, ["torch"])
     assert exits == [0]
     assert json.loads(answer.read_text())["names"] == {"torch": "torch"}
+
+
+@pytest.mark.parametrize(("device", "woken"), [("cuda", True), ("cuda:1", True), ("cpu", False),
+                                               (None, False)])
+def test_the_probe_wakes_the_driver_before_it_imports_anything(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, device: str | None, woken: bool) -> None:
+    """A probe that checks a GPU device starts cuInit first (the check itself stays torch's
+    runtime's, as in the workers); one that checks no device, or the CPU, leaves the driver."""
+    from mlacheck import cuda_context, inventory
+
+    order: list[str] = []
+    monkeypatch.setattr(cuda_context, "init_driver", lambda: order.append("cuInit"))
+    monkeypatch.setattr(inventory, "_write_check", lambda *a: order.append("check"))
+
+    def leave(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(inventory.os, "_exit", leave)
+    with pytest.raises(SystemExit):
+        inventory._probe_main(str(tmp_path / "answer.json"), device, ["torch"])
+    assert order == [*(["cuInit"] if woken else []), "check"]
