@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +60,7 @@ from mlacheck.backends.aiter.capability import (
 from mlacheck.backends.base import Capability, CaseRule, Output, Range
 from mlacheck.backends.toolkit import lse_natural, lse_tokens_heads, nonempty_units
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs, cu_seqlens
+from mlacheck.kvcache import PageTable, pages_needed
 from mlacheck.spec import PIPELINE_OPS, Case, DecodeCase, Op, PrefillCase, SparseDecodeCase
 
 # --------------------------------------------------------------------------- metadata cache
@@ -114,6 +114,94 @@ class DecodeSchedule:
     max_seqlen_q: int
     kv_buffer: torch.Tensor
     topk: int = -1  # >= 0: sparse (each query token its own pseudo-batch)
+
+
+# --------------------------------------------------------------------------- the planner's arguments
+#
+# One derivation of what a persistent decode hands AITER's metadata planner, for the adapter's
+# call and for finding 2's rule (folded_kv_offsets_wrong), so the rule plans what the adapter
+# plans. A copy of it in the rule drifted once: the adapter left empty requests out of its
+# calls, the rule still planned them all, and a nightly run went red on an unlabelled FAIL.
+
+
+@dataclass(frozen=True)
+class PlannerIndex:
+    """What AITER's decode planner is given of a batch besides heads and dtypes: the index
+    arrays (int32) of the requests handed over and the sizes. A DecodeSchedule has the same
+    fields (on the call's device); this holds them without a KV buffer (finding 2's rule)."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_last_page_lens: torch.Tensor
+    page_size: int
+    max_seqlen_q: int
+    topk: int = -1
+
+
+def decode_page_table(case: DecodeCase | SparseDecodeCase, table: PageTable
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AITER's page table (page-level kv_indptr, physical page ids, last-page lengths; CPU
+    int32) of the requests a dense decode hands over: the non-empty ones, the empty ones left
+    out of the call."""
+    return table.of_requests(nonempty_units(case.q_lengths)).to_aiter()
+
+
+def dense_decode_index(case: DecodeCase | SparseDecodeCase,
+                       page_table: Sequence[torch.Tensor]) -> PlannerIndex:
+    """A dense decode's index arrays (CPU): the kept (non-empty) requests' qo_indptr with
+    `page_table`, their (kv_indptr, kv_indices, kv_last_page_lens) of decode_page_table."""
+    kv_indptr, _, last = page_table
+    kept = [case.q_lengths[r] for r in nonempty_units(case.q_lengths)]
+    return PlannerIndex(qo_indptr=cu_seqlens(kept).to(torch.int32), kv_indptr=kv_indptr,
+                        kv_last_page_lens=last, page_size=case.page_size,
+                        max_seqlen_q=case.max_q_len)
+
+
+def metadata_split_cap(max_split_per_batch: int, heads: int, batch: int,
+                       cu_num: int | None) -> int:
+    """max_split_per_batch: AITER's tests use 32, clamped to ceil(cu / batch) for >= 128
+    heads (as vLLM does)."""
+    cap = max_split_per_batch
+    if heads >= 128 and cu_num:
+        cap = min(cap, max(1, math.ceil(cu_num / max(1, batch))))
+    return cap
+
+
+def planner_args(index: PlannerIndex | DecodeSchedule, heads: int, q_dtype: torch.dtype,
+                 kv_dtype: torch.dtype, split_cap: int) -> dict[str, Any]:
+    """get_mla_metadata_v1's keywords besides the six buffers, for `heads` (padded) query heads
+    over one KV head."""
+    lens = (index.qo_indptr[1:] - index.qo_indptr[:-1]).tolist()
+    uniform = lens[0] if lens and all(n == lens[0] for n in lens) else -1
+    is_fp8_pair = q_dtype.itemsize == 1 and kv_dtype.itemsize == 1
+    granularity = max(index.page_size, 32 if (heads == 64 and is_fp8_pair) else 16)
+    return dict(
+        seqlens_qo_indptr=index.qo_indptr, seqlens_kv_indptr=index.kv_indptr,
+        kv_last_page_lens=index.kv_last_page_lens, num_heads_per_head_k=heads,
+        num_heads_k=1, is_causal=True, page_size=index.page_size,
+        kv_granularity=granularity, max_seqlen_qo=index.max_seqlen_q,
+        uni_seqlen_qo=uniform, fast_mode=True, topk=index.topk,
+        max_split_per_batch=split_cap, intra_batch_mode=False, dtype_q_nope=q_dtype,
+        dtype_kv_nope=kv_dtype)
+
+
+def case_planner_args(case: DecodeCase, cu_num: int | None,
+                      max_split_per_batch: int = DEFAULT_MAX_SPLIT_PER_BATCH) -> dict[str, Any]:
+    """What the persistent dense decode hands get_mla_metadata_v1 for `case` on a chip of
+    `cu_num` CUs (besides the buffers), from the case alone: the functions AiterAdapter._decode
+    calls, with what it takes from its inputs taken from the case (the page table's counts, the
+    persistent head padding, the formats' storage dtypes). CPU index arrays only."""
+    page_counts = pages_needed(torch.tensor(case.kv_lengths, dtype=torch.int64), case.page_size)
+    indptr = torch.zeros(len(case.requests) + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(page_counts, 0)
+    table = PageTable(case.page_size, indptr, torch.arange(int(indptr[-1])),
+                      torch.tensor(case.kv_lengths, dtype=torch.int64))
+    index = dense_decode_index(case, decode_page_table(case, table))
+    heads = head_padding(case.num_heads).padded
+    split_cap = metadata_split_cap(max_split_per_batch, heads, index.qo_indptr.numel() - 1,
+                                   cu_num)
+    return planner_args(index, heads, fp8.fmt(case.quant.q).dtype,
+                        fp8.fmt(case.quant.kv).dtype, split_cap)
 
 
 # --------------------------------------------------------------------------- the adapter
@@ -260,20 +348,20 @@ class AiterAdapter:
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """AITER's page table of the non-empty requests (the empty ones are left out of the
         call): page-level kv_indptr, physical page ids, last-page lengths."""
-        return inputs.table.of_requests(nonempty_units(inputs.case.q_lengths)).to_aiter()
+        return decode_page_table(inputs.case, inputs.table)
 
     def decode_schedule(self, case: DecodeCase | SparseDecodeCase,
                         inputs: DecodeInputs) -> DecodeSchedule:
         dev = inputs.device
         if case.sparse:
             return self.sparse_schedule(case, inputs)  # type: ignore[arg-type]
-        kv_indptr, kv_indices, last = self.page_table_for_decode(inputs)
-        kept = [case.q_lengths[r] for r in nonempty_units(case.q_lengths)]
+        page_table = self.page_table_for_decode(inputs)
+        index = dense_decode_index(case, page_table)
         return DecodeSchedule(
-            qo_indptr=cu_seqlens(kept).to(device=dev, dtype=torch.int32),
-            kv_indptr=kv_indptr.to(dev), kv_indices=kv_indices.to(dev),
-            kv_last_page_lens=last.to(dev), page_size=case.page_size,
-            max_seqlen_q=case.max_q_len, kv_buffer=inputs.pool.data)
+            qo_indptr=index.qo_indptr.to(dev), kv_indptr=index.kv_indptr.to(dev),
+            kv_indices=page_table[1].to(dev), kv_last_page_lens=index.kv_last_page_lens.to(dev),
+            page_size=index.page_size, max_seqlen_q=index.max_seqlen_q,
+            kv_buffer=inputs.pool.data)
 
     def sparse_schedule(self, case: SparseDecodeCase, inputs: DecodeInputs) -> DecodeSchedule:
         """Sparse top-k through the page table, each query token its own pseudo-request.
@@ -387,20 +475,14 @@ class AiterAdapter:
 
     # -- persistent metadata
     def metadata_split_cap(self, heads: int, batch: int, api: AiterApi) -> int:
-        """max_split_per_batch: AITER's tests use 32, clamped to ceil(cu / batch) for >= 128
-        heads (as vLLM does)."""
-        cap = self.max_split_per_batch
-        if heads >= 128 and api.cu_num:
-            cap = min(cap, max(1, math.ceil(api.cu_num / max(1, batch))))
-        return cap
+        """max_split_per_batch for this adapter on the api's chip (metadata_split_cap)."""
+        return metadata_split_cap(self.max_split_per_batch, heads, batch, api.cu_num)
 
     def persistent_metadata(self, api: AiterApi, sched: DecodeSchedule, heads: int,
                             q_dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, Any]:
         """Size (info), (re)allocate if they must grow, and refill the six buffers."""
         sparse = sched.topk >= 0
         batch = sched.qo_indptr.numel() - 1
-        lens = (sched.qo_indptr[1:] - sched.qo_indptr[:-1]).tolist()
-        uniform = lens[0] if lens and all(n == lens[0] for n in lens) else -1
         split_cap = self.metadata_split_cap(heads, batch, api)
         sizes = self._call(
             api, "get_mla_metadata_info_v1", batch_size=batch, max_seqlen_qo=sched.max_seqlen_q,
@@ -410,16 +492,7 @@ class AiterAdapter:
         cache = self.metadata_buffers.setdefault("sparse" if sparse else "dense",
                                                  MetadataBuffers())
         bufs, grew = cache.ensure(list(sizes), sched.qo_indptr.device)
-        is_fp8_pair = q_dtype.itemsize == 1 and kv_dtype.itemsize == 1
-        granularity = max(sched.page_size, 32 if (heads == 64 and is_fp8_pair) else 16)
-        fill_args: dict[str, Any] = dict(
-            seqlens_qo_indptr=sched.qo_indptr, seqlens_kv_indptr=sched.kv_indptr,
-            kv_last_page_lens=sched.kv_last_page_lens, num_heads_per_head_k=heads,
-            num_heads_k=1, is_causal=True, page_size=sched.page_size,
-            kv_granularity=granularity, max_seqlen_qo=sched.max_seqlen_q,
-            uni_seqlen_qo=uniform, fast_mode=True, topk=sched.topk,
-            max_split_per_batch=split_cap, intra_batch_mode=False, dtype_q_nope=q_dtype,
-            dtype_kv_nope=kv_dtype)
+        fill_args = planner_args(sched, heads, q_dtype, kv_dtype, split_cap)
         self.fill_metadata(api, cache, bufs, grew, fill_args)
         return {"buffers": bufs, "sizes": [(tuple(_as_shape(s)), d) for s, d in sizes],
                 "fill_args": fill_args, "max_split_per_batch": split_cap,
@@ -661,8 +734,9 @@ def model_nonpersistent_factory() -> AiterAdapter:
 
 def folded_kv_offsets_wrong(case: DecodeCase, gfx: str | None = None) -> bool:
     """Whether the AITER model's v1.2 planner gives this case a split work whose kv_offset
-    uses another request's last-page length (docs/gpu-results.md, finding 2). Plans only:
-    no tensors beyond the index arrays. gfx None: the chip the environment selects."""
+    uses another request's last-page length (docs/gpu-results.md, finding 2). Plans what the
+    adapter's persistent decode hands the planner (case_planner_args): no tensors beyond the
+    index arrays. gfx None: the chip the environment selects."""
     from mlacheck.backends.aiter_model import chip_info, plan_decode_metadata
 
     if case.page_size == 1:
@@ -670,39 +744,27 @@ def folded_kv_offsets_wrong(case: DecodeCase, gfx: str | None = None) -> bool:
     env = {MODEL_GFX_ENV: gfx} if gfx else {}
     with pinned_environment(env):
         chip = chip_info.get_gfx()
-        cu_num = chip_info.get_cu_num()
         chip_fp8 = fp8.fmt(fp8.chip_fp8_format(chip))
         q_fmt, kv_fmt = fp8.fmt(case.quant.q), fp8.fmt(case.quant.kv)
         if (q_fmt.is_fp8 and q_fmt.name != chip_fp8.name) or (
                 kv_fmt.is_fp8 and kv_fmt.name != chip_fp8.name):
             return False  # the chip refuses the case: it never runs
-        heads = head_padding(case.num_heads).padded
-        # the requests the adapter hands the planner: the empty ones are left out of the call
-        # (page_table_for_decode / decode_schedule); planned over all of them, the rule missed
-        # a nightly case the model's planner gets wrong (unlabelled FAIL, 4x H200, 2026-11-27)
-        kept = [case.requests[r] for r in nonempty_units(case.q_lengths)]
-        lens = [r.kv_len for r in kept]
-        q_lens = [r.q_len for r in kept]
-        if not aiter_folds_heads(chip, heads, max(q_lens), q_fmt.is_fp8, kv_fmt.is_fp8):
+        args = case_planner_args(case, chip_info.get_cu_num())
+        heads, max_q = args["num_heads_per_head_k"], args["max_seqlen_qo"]
+        if not aiter_folds_heads(chip, heads, max_q, q_fmt.is_fp8, kv_fmt.is_fp8):
             return False
-        pages = [-(-n // case.page_size) for n in lens]
-        last = [n - (p - 1) * case.page_size for n, p in zip(lens, pages, strict=True)]
-        qo = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
-        kv = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32)
-        split_cap = DEFAULT_MAX_SPLIT_PER_BATCH
-        if heads >= 128 and cu_num:
-            split_cap = min(split_cap, max(1, math.ceil(cu_num / len(lens))))
-        fp8_pair = q_fmt.is_fp8 and kv_fmt.is_fp8
         try:
             plan = plan_decode_metadata(
-                qo, kv, torch.tensor(last, dtype=torch.int32), heads, 1, True,
-                page_size=case.page_size,
-                kv_granularity=max(case.page_size, 32 if heads == 64 and fp8_pair else 16),
-                max_seqlen_qo=max(q_lens), uni_seqlen_qo=q_lens[0] if len(set(q_lens)) == 1 else -1,
-                max_split_per_batch=split_cap, q_dtype=q_fmt.dtype, kv_dtype=kv_fmt.dtype)
+                args["seqlens_qo_indptr"], args["seqlens_kv_indptr"], args["kv_last_page_lens"],
+                heads, args["num_heads_k"], args["is_causal"], page_size=args["page_size"],
+                kv_granularity=args["kv_granularity"], max_seqlen_qo=max_q,
+                uni_seqlen_qo=args["uni_seqlen_qo"], topk=args["topk"],
+                max_split_per_batch=args["max_split_per_batch"], q_dtype=args["dtype_q_nope"],
+                kv_dtype=args["dtype_kv_nope"])
         except Exception:  # a shape the planner refuses never runs: nothing to excuse
             return False
-    page_ends = list(itertools.accumulate(pages))  # kv_indptr[r + 1], in pages
+    page_ends = args["seqlens_kv_indptr"][1:].tolist()  # kv_indptr[r + 1], in pages
+    last = args["kv_last_page_lens"].tolist()
     for row in plan.works:
         req, ke, koff = row[0] // plan.head_fold, row[5], row[6]
         end = page_ends[req]

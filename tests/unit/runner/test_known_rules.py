@@ -317,3 +317,55 @@ def test_finding_2_labels_the_nightly_case_with_empty_requests() -> None:
     v = harness.run_case(case, resolve("aiter-model-gfx942"))
     assert v.status == "FAIL" and v.reason == "metadata", v.summary()
     assert v.known_rule == "aiter-v12-folded-last-page-lens-gfx942", v.summary()
+
+
+# Finding 2's rule on the shipped matrices (how known.py asks it: per chip), pinned when the rule
+# came to plan through the adapter's own planner arguments (case_planner_args): every case it
+# answers True for (gfx942 only; the first three are the empty-request cases the rule missed
+# while it planned every request) and False cases of every kind (folded heads with empty
+# requests, page 1, FP8 on either chip, 128 heads, a16w8, MTP). The whole table (1208 answers
+# over the 604 decode cases of premerge + nightly, 8 True) was compared before and after.
+FINDING_2_TABLE = {
+    ("dec-b6-kv0-4161-empty2-h48-p64-bf16-shuffled-sentinel-49ea00a9", "gfx942"): True,
+    ("dec-b6-mtp3-kv0-4161-empty2-h48-p64vec-fp16-shuffled-sentinel-94df99d6", "gfx942"): True,
+    ("dec-b7-kv0-3073-empty2-h64-p32vec-fp16-shuffled-ties-547d510f", "gfx942"): True,
+    ("dec-b128-kv1000-32768-h128-p64-bf16-shuffled-7f65875f", "gfx942"): True,
+    ("dec-b1-mtp3-kv4161-h24-p64-fp16-shuffled-ties-fae196a8", "gfx942"): True,
+    ("dec-b1-mtp4-kv3073-h24-p32vec-e4m3fnuz-unit-shuffled-8f8d9941", "gfx942"): True,
+    ("dec-b1-kv4161-h64-p32vec-bf16-shuffled-sentinel-1ab98b96", "gfx942"): True,
+    ("dec-b1-mtp4-kv4161-h48-p32-bf16-shuffled-layer-ce6f77f3", "gfx942"): True,
+    ("dec-b6-kv0-4161-empty2-h48-p64-bf16-shuffled-sentinel-49ea00a9", "gfx950"): False,
+    ("dec-b7-kv0-3073-empty2-h64-p32vec-fp16-shuffled-ties-547d510f", "gfx950"): False,
+    ("dec-b128-kv1000-32768-h128-p64-bf16-shuffled-7f65875f", "gfx950"): False,
+    ("dec-b1-mtp4-kv3073-h24-p32vec-e4m3fnuz-unit-shuffled-8f8d9941", "gfx950"): False,
+    ("dec-b5-mtp2-kv0-449-empty2-h48-p1024vec-bf16-shuffled-ties-a1b472e5", "gfx942"): False,
+    ("dec-b35-kv0-1025-empty2-h48-p1-bf16-shuffled-sentinel-layer-60779b1e", "gfx950"): False,
+    ("dec-b5-kv0-4161-empty2-h64-p1-e4m3fnuz-amax-shuffled-sentinel-ties-32e570bb", "gfx942"): False,
+    ("dec-b4-mtp3-kv129-449-h24-p1-e4m3fn-amax-shuffled-ties-96e5115a", "gfx950"): False,
+    ("dec-b33-mtp2-kv9-449-h128-p64vec-e4m3fnuz-unit-shuffled-sentinel-ties-a456da7b", "gfx950"): False,
+    ("dec-b35-mtp4-kv0-511-empty2-h32-p256-bf16-e4m3fn-unit-shuffled-ties-4bbd46be", "gfx950"): False,
+}
+
+
+def test_finding_2_rule_answers_on_the_shipped_matrices_are_pinned() -> None:
+    from mlacheck.backends.aiter.adapter import folded_kv_offsets_wrong
+
+    cases = {mc.case.id: mc.case for m in ("premerge", "nightly") for mc in load(m).cases}
+    got = {(cid, gfx): folded_kv_offsets_wrong(cases[cid], gfx) for cid, gfx in FINDING_2_TABLE}
+    assert got == FINDING_2_TABLE
+
+
+def test_finding_2_rule_plans_the_kept_requests_of_a_small_case() -> None:
+    """An empty request between folded-head requests: AITER's planner (the model) is handed the
+    three kept requests and gets request 1's split kv_offset wrong on gfx942. Planned over all
+    four (what the rule did before c79006e), uni_seqlen_qo is -1 and the rule said no: the
+    FAIL went unlabelled, as the nightly case did."""
+    case = DecodeCase(requests=(Request(1, 17), Request(0, 0), Request(1, 300), Request(1, 17)),
+                      num_heads=48, page_size=16)
+    from mlacheck.backends.aiter.adapter import folded_kv_offsets_wrong
+
+    assert folded_kv_offsets_wrong(case, "gfx942") and not folded_kv_offsets_wrong(case, "gfx950")
+    v = harness.run_case(case, resolve("aiter-model-gfx942"))
+    assert v.status == "FAIL" and v.reason == "metadata", v.summary()
+    assert v.known_rule == "aiter-v12-folded-last-page-lens-gfx942", v.summary()
+    assert harness.run_case(case, resolve("aiter-model-gfx950")).status == "PASS"
