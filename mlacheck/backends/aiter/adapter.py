@@ -741,7 +741,9 @@ def folded_kv_offsets_wrong(case: DecodeCase, gfx: str | None = None) -> bool:
 
     if case.page_size == 1:
         return False
-    env = {MODEL_GFX_ENV: gfx} if gfx else {}
+    # the environment the model's adapters pin for their calls (_model_on): AITER's controls
+    # (AITER_ENABLE_EXPERIMENTAL changes the planner's head folding), then the chip
+    env = {**AITER_ENV_CONTROLS, **({MODEL_GFX_ENV: gfx} if gfx else {})}
     with pinned_environment(env):
         chip = chip_info.get_gfx()
         chip_fp8 = fp8.fmt(fp8.chip_fp8_format(chip))

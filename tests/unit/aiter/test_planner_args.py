@@ -137,3 +137,27 @@ def test_the_rule_plans_the_adapters_arguments_on_the_nightly_cases_with_empty_r
             compared.append((case.id, gfx))
     assert len(compared) >= 10, compared
     assert any(c.startswith(NIGHTLY_RED) and g == "gfx942" for c, g in compared), compared
+
+
+def test_the_rule_plans_in_the_environment_the_adapter_pins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AITER's controls as the model's adapters pin them for their calls, whatever the process
+    environment says (AITER_ENABLE_EXPERIMENTAL=1 there changes the planner's head folding)."""
+    import os
+
+    from mlacheck.backends import aiter_model
+    from mlacheck.backends.aiter import folded_kv_offsets_wrong
+    from mlacheck.backends.aiter.api import AITER_ENV_CONTROLS
+
+    seen: list[dict[str, str | None]] = []
+    planner = aiter_model.plan_decode_metadata
+
+    def recording(*args: object, **kwargs: object) -> object:
+        seen.append({k: os.environ.get(k) for k in AITER_ENV_CONTROLS})
+        return planner(*args, **kwargs)
+
+    monkeypatch.setattr(aiter_model, "plan_decode_metadata", recording)
+    monkeypatch.setenv("AITER_ENABLE_EXPERIMENTAL", "1")
+    case = next(mc.case for mc in load("nightly").cases if mc.case.id.startswith(NIGHTLY_RED))
+    assert folded_kv_offsets_wrong(case, "gfx942")  # planned (the case finding 2 labels)
+    assert seen and all(s == AITER_ENV_CONTROLS for s in seen)
+    assert os.environ["AITER_ENABLE_EXPERIMENTAL"] == "1"  # restored afterwards
