@@ -46,3 +46,17 @@ def test_first_item_of_a_backend_counts_skips(st) -> None:  # noqa: ANN001
 def test_a_backend_run_once_per_worker_has_no_median(st) -> None:  # noqa: ANN001
     tl = st.timeline([_rec("gw0", "torch", 1.0, 1.0, 0.5)])
     assert tl["first_item_vs_median_s"] == {}
+
+
+def test_the_time_outside_the_items(st) -> None:  # noqa: ANN001
+    """Issue 27: the fixed cost of a run, split at the session's start (its run header), and
+    when each worker's first item began, both counted from the process's start; none of it
+    without the process's start and end."""
+    recs = [_rec("gw0", "torch", 103.0, 2.0, 1.0), _rec("gw0", "torch", 105.0, 5.0, 1.0),
+            _rec("gw1", "torch", 104.5, 1.0, 1.0)]
+    tl = st.timeline(recs, session_started=101.5, spawned=100.0, ended=111.3)
+    assert tl["outside_items_s"] == {"to_session": 1.5, "session_to_first_item": 1.5,
+                                     "to_first_item": 3.0, "after_last_item": 1.3}
+    assert tl["worker_first_item_at_s"] == {"gw0": 3.0, "gw1": 4.5}
+    assert tl["span_s"] == 7.0
+    assert "outside_items_s" not in st.timeline(recs)
