@@ -14,6 +14,7 @@ loaded next to torch's bundled one is not safe, so ROCm workers start as before.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import threading
@@ -78,4 +79,13 @@ def init_driver() -> threading.Thread | None:
                               daemon=True)
     thread.start()
     _driver_started.append(thread)
+    # a run that ends at once (a usage error) does not leave the interpreter, and the
+    # driver's own exit handlers, running beside a thread still inside cuInit
+    atexit.register(thread.join, INIT_WAIT_AT_EXIT_S)
     return thread
+
+
+# How long a process that started init_driver waits at exit for its cuInit to return: cuInit
+# took 0.2-0.3 s alone and at most 3.4 s among 32 processes starting at once (ctxbench, 4x
+# H200, 2026-11-27); past this the process exits regardless.
+INIT_WAIT_AT_EXIT_S = 10.0

@@ -129,12 +129,16 @@ def test_worker_publishes_its_gpu_after_collecting_before_sending(
 def test_the_run_initialises_the_driver_alone_in_a_daemon_thread(driver: FakeDriver,
                                                                   monkeypatch: pytest.MonkeyPatch
                                                                   ) -> None:
-    """`mlacheck run`'s own process: cuInit only (no context, so no GPU memory), once; the
-    knob and a machine without the driver start nothing."""
+    """`mlacheck run`'s own process: cuInit only (no context, so no GPU memory), once, and
+    waited for at exit (a run that ends at once does not exit beside it); the knob and a
+    machine without the driver start nothing."""
+    at_exit: list[tuple[Any, tuple[Any, ...]]] = []
+    monkeypatch.setattr(cuda_context.atexit, "register", lambda f, *a: at_exit.append((f, a)))
     thread = cuda_context.init_driver()
     assert thread is not None and thread.daemon
     thread.join(5)
     assert driver.calls == [("cuInit", 0, "mlacheck-cuda-init")]
+    assert at_exit == [(thread.join, (cuda_context.INIT_WAIT_AT_EXIT_S,))]
     assert cuda_context.init_driver() is thread and len(driver.calls) == 1
     monkeypatch.setattr(cuda_context, "_driver_started", [])
     monkeypatch.setenv(cuda_context.NO_EARLY_CONTEXT_ENV, "1")
