@@ -18,6 +18,7 @@ import atexit
 import ctypes
 import os
 import threading
+from collections.abc import Callable
 
 # Set (to anything): workers make their context at their first CUDA call, as torch does by
 # itself, and `mlacheck run` does not initialise the driver at its start (init_driver): to
@@ -34,18 +35,24 @@ def start_primary_context() -> threading.Thread | None:
     None where there is no CUDA driver to ask (or the knob is set). Call after the process's
     CUDA_VISIBLE_DEVICES is final and before torch touches the device. Failure is silent:
     torch makes the context itself at its first call, as it would have anyway."""
+    return _once_in_background(_started, _retain, "mlacheck-cuda-context")
+
+
+def _once_in_background(started: list[threading.Thread], work: Callable[[ctypes.CDLL], object],
+                        name: str) -> threading.Thread | None:
+    """`work(driver)` in a daemon thread, once per process (`started` holds it); None where
+    there is no CUDA driver to load or the knob is set."""
     if os.environ.get(NO_EARLY_CONTEXT_ENV):
         return None
-    if _started:
-        return _started[0]
+    if started:
+        return started[0]
     try:
         driver = ctypes.CDLL(_DRIVER)
     except OSError:
         return None
-    thread = threading.Thread(target=_retain, args=(driver,), name="mlacheck-cuda-context",
-                              daemon=True)
+    thread = threading.Thread(target=work, args=(driver,), name=name, daemon=True)
     thread.start()
-    _started.append(thread)
+    started.append(thread)
     return thread
 
 
@@ -67,21 +74,13 @@ def init_driver() -> threading.Thread | None:
     (median 9.35 s) against 11.2-11.7 s (median 11.42 s) without it (MLA_TRACE patch,
     2026-11-27). The process makes no context (no GPU memory) and keeps the driver open for
     the run. Failure is silent: each worker initialises the driver itself, as before."""
-    if os.environ.get(NO_EARLY_CONTEXT_ENV):
-        return None
-    if _driver_started:
-        return _driver_started[0]
-    try:
-        driver = ctypes.CDLL(_DRIVER)
-    except OSError:
-        return None
-    thread = threading.Thread(target=driver.cuInit, args=(0,), name="mlacheck-cuda-init",
-                              daemon=True)
-    thread.start()
-    _driver_started.append(thread)
-    # a run that ends at once (a usage error) does not leave the interpreter, and the
-    # driver's own exit handlers, running beside a thread still inside cuInit
-    atexit.register(thread.join, INIT_WAIT_AT_EXIT_S)
+    first = not _driver_started
+    thread = _once_in_background(_driver_started, lambda driver: driver.cuInit(0),
+                                 "mlacheck-cuda-init")
+    if thread is not None and first:
+        # a run that ends at once (a usage error) does not leave the interpreter, and the
+        # driver's own exit handlers, running beside a thread still inside cuInit
+        atexit.register(thread.join, INIT_WAIT_AT_EXIT_S)
     return thread
 
 
