@@ -159,15 +159,20 @@ def pages_needed(kv_lens: torch.Tensor, page_size: int) -> torch.Tensor:
     return (kv_lens + page_size - 1) // page_size
 
 
+def page_indptr(kv_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Page-level indptr (int64) of requests laid out one after another."""
+    indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(pages_needed(kv_lens, page_size), 0)
+    return indptr
+
+
 def assign_pages(
     kv_lens: Sequence[int], page_size: int, page_bytes: int, placement: Placement,
     gen: torch.Generator,
 ) -> tuple[PageTable, int]:
     """Physical page ids per request for a placement; returns (table, pool page count)."""
     lens = torch.tensor(list(kv_lens), dtype=torch.int64)
-    counts = pages_needed(lens, page_size)
-    indptr = torch.zeros(len(lens) + 1, dtype=torch.int64)
-    indptr[1:] = torch.cumsum(counts, 0)
+    indptr = page_indptr(lens, page_size)
     live = int(indptr[-1])
     first = placement.first_live_page(live, page_bytes)
     pool_pages = first + live + placement.spare_pages

@@ -60,7 +60,7 @@ from mlacheck.backends.aiter.capability import (
 from mlacheck.backends.base import Capability, CaseRule, Output, Range
 from mlacheck.backends.toolkit import lse_natural, lse_tokens_heads, nonempty_units
 from mlacheck.inputs import DecodeInputs, Inputs, PrefillInputs, cu_seqlens
-from mlacheck.kvcache import PageTable, pages_needed
+from mlacheck.kvcache import PageTable, page_indptr
 from mlacheck.spec import PIPELINE_OPS, Case, DecodeCase, Op, PrefillCase, SparseDecodeCase
 
 # --------------------------------------------------------------------------- metadata cache
@@ -191,11 +191,9 @@ def case_planner_args(case: DecodeCase, cu_num: int | None,
     `cu_num` CUs (besides the buffers), from the case alone: the functions AiterAdapter._decode
     calls, with what it takes from its inputs taken from the case (the page table's counts, the
     persistent head padding, the formats' storage dtypes). CPU index arrays only."""
-    page_counts = pages_needed(torch.tensor(case.kv_lengths, dtype=torch.int64), case.page_size)
-    indptr = torch.zeros(len(case.requests) + 1, dtype=torch.int64)
-    indptr[1:] = torch.cumsum(page_counts, 0)
-    table = PageTable(case.page_size, indptr, torch.arange(int(indptr[-1])),
-                      torch.tensor(case.kv_lengths, dtype=torch.int64))
+    lens = torch.tensor(case.kv_lengths, dtype=torch.int64)
+    indptr = page_indptr(lens, case.page_size)
+    table = PageTable(case.page_size, indptr, torch.arange(int(indptr[-1])), lens)
     index = dense_decode_index(case, decode_page_table(case, table))
     heads = head_padding(case.num_heads).padded
     split_cap = metadata_split_cap(max_split_per_batch, heads, index.qo_indptr.numel() - 1,
