@@ -389,8 +389,12 @@ def test_a_late_collection_that_differs_is_reported_and_the_run_is_incomplete(
     assert f"INCOMPLETE: {len(verdicts)} of 4 items have a verdict" in r.stdout
 
 
-# gw1 collects one item less, and only once gw0 has two verdicts: gw0 then holds the last two
-# cases (the queue is empty) and each takes 3 s, so the run is still going when gw1's arrives.
+# gw1 collects one item less, and only once gw0 has started its third case: an xdist worker
+# runs an item only once it holds the next one (or is told to stop), so by then the fourth is
+# handed out too and the queue is empty; the last two take 3 s each, so the run is still going
+# when gw1's collection arrives. (Waiting for two verdicts instead raced: the worker writes a
+# verdict before the controller hears the item is done and hands out the next case, and on the
+# 2-core CI gw1's collection came first once: the queue was dropped with one case in it.)
 DIFFERENT_COLLECTION_AFTER_THE_HAND_OUT = GW1_COLLECTS_ONE_LESS + """
 CALLS = []
 
@@ -399,16 +403,16 @@ CALLS = []
 def pytest_collection_finish(session):
     if _worker(session.config) != "gw1":
         return
-    results, deadline = Path(os.environ["MLA_RESULTS"]), time.time() + 60
-    while time.time() < deadline:
-        if results.exists() and len(results.read_text().splitlines()) >= 3:
-            return
+    third, deadline = Path(os.environ["MLA_RESULTS"] + ".third"), time.time() + 60
+    while not third.exists() and time.time() < deadline:
         time.sleep(0.05)
 
 
 def pytest_runtest_call(item):
     if _worker(item.config) == "gw0":
         CALLS.append(1)
+        if len(CALLS) == 3:
+            Path(os.environ["MLA_RESULTS"] + ".third").touch()
         if len(CALLS) > 2:
             time.sleep(3)
 """
