@@ -15,6 +15,8 @@ import platform as _platform
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mlacheck.processes import slow_exit_kept
+
 # Version of the JSON layout (`mlacheck_list` key); readers accept this and older.
 SCHEMA = 1
 SCHEMA_KEY = "mlacheck_list"
@@ -171,7 +173,8 @@ class UsabilityProbe:
 def _probe_main(path: str, device: str | None, specs: list[str]) -> None:
     """The probe process: its answer written, it leaves without tearing down the libraries it
     imported (torch, AITER: 0.5-0.7 s between the answer and the process's end on a 4x H200
-    host, 2026-11-27, which the first item waited for).
+    host, 2026-11-27, which the first item waited for), unless the slow exit is kept
+    (mlacheck.processes.SLOW_EXIT_ENV: a coverage tool writing at exit).
 
     When it checks a GPU device, it first starts its own cuInit in the background
     (cuda_context.init_driver), before it imports torch and the backends, ~1.5 s before the
@@ -183,7 +186,8 @@ def _probe_main(path: str, device: str | None, specs: list[str]) -> None:
 
         cuda_context.init_driver()
     _write_check(path, device, specs)
-    os._exit(0)
+    if not slow_exit_kept():
+        os._exit(0)
 
 
 def _write_check(path: str, device: str | None, specs: list[str]) -> None:

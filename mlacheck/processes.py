@@ -13,6 +13,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
+# Set (to anything): mlacheck's own child processes (xdist workers, the usability probe) end
+# the usual way, with the interpreter's teardown, instead of leaving once their work is sent,
+# e.g. under a coverage tool that writes its data at exit.
+SLOW_EXIT_ENV = "MLACHECK_SLOW_WORKER_EXIT"
+
+
+def slow_exit_kept() -> bool:
+    return bool(os.environ.get(SLOW_EXIT_ENV))
+
 
 def process_alive(pid: int) -> bool:
     try:

@@ -35,6 +35,7 @@ import pytest
 from mlacheck import results as results_file
 from mlacheck.errors import UsageError
 from mlacheck.outcome import Outcome
+from mlacheck.processes import slow_exit_kept
 from mlacheck.progress import Progress
 from mlacheck.session import RunRequest
 
@@ -135,7 +136,7 @@ class _WorkerEnd:
 
     @pytest.hookimpl(trylast=True)
     def pytest_unconfigure(self, config: pytest.Config) -> None:
-        if not _runs_the_suite(config) or os.environ.get(_KEEP_WORKERS_ENV):
+        if not _runs_the_suite(config) or slow_exit_kept():
             return
         if "mlacheck.harness" in sys.modules:
             sys.modules["mlacheck.harness"].release_shared()
@@ -145,9 +146,6 @@ class _WorkerEnd:
         os._exit(0)
 
 
-# Set (to anything): xdist workers end the usual way (interpreter teardown), e.g. under a
-# coverage tool that writes its data at exit.
-_KEEP_WORKERS_ENV = "MLACHECK_SLOW_WORKER_EXIT"
 # How long the controller waits for the processes of workers that finished a run to end
 # before xdist kills what is left (xdist waits up to 10 s). On 4x H200 the 32 workers' exits
 # held the run 2.35 s after their last report (the driver frees one CUDA context after
@@ -808,7 +806,7 @@ class _XdistHooks:
         An interrupted or broken run, or one that keeps the slow exit (the knob), as before."""
         config = session.config
         if (is_worker(config) or not _runs_the_suite(config)
-                or os.environ.get(_KEEP_WORKERS_ENV)
+                or slow_exit_kept()
                 or exitstatus in (pytest.ExitCode.INTERRUPTED, pytest.ExitCode.INTERNAL_ERROR)):
             return
         nodemanager = getattr(config.pluginmanager.get_plugin("dsession"), "nodemanager", None)

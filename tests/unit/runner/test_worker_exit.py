@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlacheck import pytest_plugin
+from mlacheck import processes, pytest_plugin
 
 
 class NodeManager:
@@ -49,9 +49,9 @@ def test_the_wait_for_finished_workers_processes(monkeypatch: pytest.MonkeyPatch
                                                  exitstatus: int, knob: str | None,
                                                  wait_s: float) -> None:
     if knob is None:
-        monkeypatch.delenv(pytest_plugin._KEEP_WORKERS_ENV, raising=False)
+        monkeypatch.delenv(processes.SLOW_EXIT_ENV, raising=False)
     else:
-        monkeypatch.setenv(pytest_plugin._KEEP_WORKERS_ENV, knob)
+        monkeypatch.setenv(processes.SLOW_EXIT_ENV, knob)
     session = Session()
     pytest_plugin._XdistHooks.pytest_sessionfinish(session, exitstatus)  # type: ignore[arg-type]
     waited = session.dsession.nodemanager.EXIT_TIMEOUT
