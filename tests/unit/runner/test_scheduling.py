@@ -339,9 +339,8 @@ def test_a_run_ends_cleanly_when_its_work_is_done_before_a_slow_worker_collects(
     assert {v["worker"] for v in verdicts} == {"gw0"}  # all ran before gw1 had collected
 
 
-# gw1 collects one item less, and only once gw0's collection is in (the controller writes the
-# run header then); gw0's first item takes 3 s, so most of the queue is still there.
-# A plugin under which gw1 collects one item less than the others.
+# A plugin under which gw1 collects one item less than the others, and the controller says
+# (a file beside the results) when it has refused gw1's collection.
 GW1_COLLECTS_ONE_LESS = """
 import json, os, time
 from pathlib import Path
@@ -357,7 +356,23 @@ def _worker(config):
 def pytest_collection_modifyitems(session, config, items):
     if _worker(config) == "gw1":
         del items[-1]
+
+
+def pytest_collectreport(report):
+    if report.failed and report.nodeid == "gw1":  # the controller refused gw1's collection
+        Path(os.environ["MLA_RESULTS"] + ".refused").touch()
+
+
+def _until_gw1_is_refused():
+    refused, deadline = Path(os.environ["MLA_RESULTS"] + ".refused"), time.time() + 60
+    while not refused.exists() and time.time() < deadline:  # 60 s: a safety net only
+        time.sleep(0.05)
 """
+# gw1 collects one item less, and only once gw0's collection is in (the controller writes the
+# run header then); gw0's first item waits until the controller has refused gw1's collection,
+# so gw0 holds its first two cases and the other two are still in the queue then. (A 3 s
+# sleep in gw0's first item instead raced: a gw1 that finished collecting over 3 s after gw0
+# came once the queue was empty or the run was over; 4 s later, the run exited 0.)
 DIFFERENT_LATE_COLLECTION = GW1_COLLECTS_ONE_LESS + """
 
 @pytest.hookimpl(tryfirst=True)
@@ -369,9 +384,9 @@ def pytest_collection_finish(session):
 
 
 def pytest_runtest_call(item):
-    if _worker(item.config) == "gw0" and not getattr(item.config, "_slept", False):
-        item.config._slept = True
-        time.sleep(3)
+    if _worker(item.config) == "gw0" and not getattr(item.config, "_waited", False):
+        item.config._waited = True
+        _until_gw1_is_refused()
 """
 
 
@@ -385,16 +400,18 @@ def test_a_late_collection_that_differs_is_reported_and_the_run_is_incomplete(
     assert "Different tests were collected between gw0 and gw1" in r.stdout
     header, *verdicts = (json.loads(line) for line in res.read_text().splitlines())
     assert len(header["run"]["expected"]) == 4  # gw0's collection is the run's
-    assert 0 < len(verdicts) < 4 and {v["worker"] for v in verdicts} == {"gw0"}
+    assert len(verdicts) == 2 and {v["worker"] for v in verdicts} == {"gw0"}  # its first two
     assert f"INCOMPLETE: {len(verdicts)} of 4 items have a verdict" in r.stdout
 
 
 # gw1 collects one item less, and only once gw0 has started its third case: an xdist worker
 # runs an item only once it holds the next one (or is told to stop), so by then the fourth is
-# handed out too and the queue is empty; the last two take 3 s each, so the run is still going
-# when gw1's collection arrives. (Waiting for two verdicts instead raced: the worker writes a
-# verdict before the controller hears the item is done and hands out the next case, and on the
-# 2-core CI gw1's collection came first once: the queue was dropped with one case in it.)
+# handed out too and the queue is empty; the third waits until the controller has refused
+# gw1's collection, so the run is still going when it arrives. (Waiting for two verdicts
+# instead raced: the worker writes a verdict before the controller hears the item is done and
+# hands out the next case, and on the 2-core CI gw1's collection came first once: the queue
+# was dropped with one case in it. So did 3 s sleeps in the last two cases in place of the
+# wait: a collection that came after them was dropped with the run ending, exit 0.)
 DIFFERENT_COLLECTION_AFTER_THE_HAND_OUT = GW1_COLLECTS_ONE_LESS + """
 CALLS = []
 
@@ -413,8 +430,7 @@ def pytest_runtest_call(item):
         CALLS.append(1)
         if len(CALLS) == 3:
             Path(os.environ["MLA_RESULTS"] + ".third").touch()
-        if len(CALLS) > 2:
-            time.sleep(3)
+            _until_gw1_is_refused()
 """
 
 
