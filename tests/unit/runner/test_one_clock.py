@@ -11,6 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from mlacheck import progress
 from mlacheck.progress import Progress
 from mlacheck.report.load import read_results
 
@@ -52,11 +55,11 @@ def test_report_wall_time_is_on_pytests_clock(tmp_path: Path) -> None:
     assert f"| **wall time** | {loaded.wall_s:.2f} |" in md and "all phases, summed" in md
 
 
-def test_progress_counts_from_the_start_it_is_given() -> None:
+def test_progress_counts_from_the_start_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plugin hands Progress the session's start: its first line does not read 0 s after
-    a long first item (its own clock used to start at the first finished item)."""
-    import time
-
-    p = Progress({("torch", "mla_decode"): 1}, started=time.monotonic() - 42.0)
+    a long first item (its own clock used to start at the first finished item). The clock
+    stands still: on the real one, a pause of 0.5 s before record() read 43 s."""
+    monkeypatch.setattr(progress.time, "monotonic", lambda: 1000.0)
+    p = Progress({("torch", "mla_decode"): 1}, started=1000.0 - 42.0)
     line = p.record("torch", "mla_decode", "passed")
     assert line is not None and "(100%, 42 s)" in line
