@@ -25,7 +25,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -829,7 +829,11 @@ class _XdistHooks:
 
         state: _State = config.stash[_STATE]
         need = {it.case.id: footprint.estimate(it.case).total for it in state.items()}
-        return case_scheduler(config, log, need, state.gpu_dir)
+        sched = case_scheduler(config, log, need, state.gpu_dir)
+        dsession = config.pluginmanager.get_plugin("dsession")
+        if dsession is not None:
+            _compare_collections_after_the_end(dsession, sched)
+        return sched
 
     @staticmethod
     def pytest_configure_node(node: Any) -> None:
@@ -843,6 +847,22 @@ class _XdistHooks:
             node.workerinput[_GPU_DIR] = str(state.gpu_dir)
         if state is not None and state.matrix_cache is not None:
             node.workerinput[_MATRIX_CACHE] = str(state.matrix_cache)
+
+
+def _compare_collections_after_the_end(dsession: Any, sched: Any) -> None:
+    """xdist drops a worker's collection that comes while the run shuts down (its
+    worker_collectionfinish returns at once): the scheduler still compares it with the run's
+    (scheduling.case_scheduler), so a slow worker whose collection differs makes the run
+    INCOMPLETE whether it came before the last item was handed out, after it, or after the
+    end (that one exited 0: gw1's differing collection held until gw0 had gone down)."""
+    plain = dsession.worker_collectionfinish
+
+    def worker_collectionfinish(node: Any, ids: Sequence[str]) -> None:
+        if dsession.shuttingdown:
+            sched.collection_after_the_end(node, ids)
+        plain(node=node, ids=ids)
+
+    dsession.worker_collectionfinish = worker_collectionfinish
 
 
 class BackendsUsable:

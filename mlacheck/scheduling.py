@@ -61,7 +61,9 @@ def case_scheduler(config: Any, log: Any, need: dict[str, int],
       later one that differs gets no work, is reported as xdist reports it (a failed collect
       report, "Different tests collected") and ends the hand-out: the queue is dropped, so
       what was not handed out is missing from the results (INCOMPLETE), as xdist's own
-      check aborts a run. A worker replacing a crashed one is a late worker like any other.
+      check aborts a run; so is one that came after the last item, as the run ended
+      (collection_after_the_end). A worker replacing a crashed one is a late worker like any
+      other.
     - The item a worker died under is not run again: loadscope puts the whole unfinished
       group back, the crashed item included, so a kernel that aborts the process would take
       down one worker after another (the item is recorded as CRASH).
@@ -137,7 +139,16 @@ def case_scheduler(config: Any, log: Any, need: dict[str, int],
                 nodeid=node.gateway.id, outcome="failed", longrepr=msg, result=[]))
             self.refused = True
             self.workqueue.clear()
-            node.shutdown()
+            if not node.shutting_down:
+                node.shutdown()
+
+        def collection_after_the_end(self, node: Any, collection: Sequence[str]) -> None:
+            """A worker's collection that came once the run was ending (xdist drops it:
+            DSession.worker_collectionfinish returns while shutting down): one that differs
+            from the run's is refused as one that came earlier, so whether the run is a pass
+            does not depend on when a slow worker's collection arrived."""
+            if self.collection is not None and list(collection) != self.collection:
+                self.refuse(node, collection)
 
         def schedule(self) -> None:
             """The first call builds the queue (xdist's) from the collections in so far and

@@ -241,6 +241,22 @@ def test_a_late_collection_that_differs_gets_no_work_is_reported_and_ends_the_ha
     assert gw0.sent == first and gw0.shutting_down and sched.tests_finished
 
 
+def test_a_collection_after_the_end_is_compared_with_the_runs() -> None:
+    """One that xdist drops (it came while the run shut down): refused if it differs, as a
+    late one is; an identical one is nothing to report."""
+    reports: list = []
+    sched, (gw0, gw1, gw2), collection = _joined(3, reports)
+    _arrive(sched, gw0, collection)
+    _run_all(sched, gw0)
+    assert sched.tests_finished
+    sched.collection_after_the_end(gw1, collection)
+    assert not reports and not gw1.shutting_down
+    gw2.shutting_down = True  # xdist told every worker to stop
+    sched.collection_after_the_end(gw2, collection[:-1])
+    assert len(reports) == 1 and reports[0].failed and reports[0].nodeid == "gw2"
+    assert "Different tests were collected between gw0 and gw2" in str(reports[0].longrepr)
+
+
 def test_fewer_cases_than_workers() -> None:
     sched, (gw0, gw1, gw2), _ = _joined(3)
     one = ["suite.py::test_mla[b-big1]@big1", "suite.py::test_mla[c-big1]@big1"]
@@ -363,9 +379,9 @@ def pytest_collectreport(report):
         Path(os.environ["MLA_RESULTS"] + ".refused").touch()
 
 
-def _until_gw1_is_refused():
-    refused, deadline = Path(os.environ["MLA_RESULTS"] + ".refused"), time.time() + 60
-    while not refused.exists() and time.time() < deadline:  # 60 s: a safety net only
+def _until(event):  # until the file that says `event` is there (60 s: a safety net only)
+    path, deadline = Path(os.environ["MLA_RESULTS"] + "." + event), time.time() + 60
+    while not path.exists() and time.time() < deadline:
         time.sleep(0.05)
 """
 # gw1 collects one item less, and only once gw0's collection is in (the controller writes the
@@ -386,7 +402,7 @@ def pytest_collection_finish(session):
 def pytest_runtest_call(item):
     if _worker(item.config) == "gw0" and not getattr(item.config, "_waited", False):
         item.config._waited = True
-        _until_gw1_is_refused()
+        _until("refused")
 """
 
 
@@ -418,11 +434,8 @@ CALLS = []
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_finish(session):
-    if _worker(session.config) != "gw1":
-        return
-    third, deadline = Path(os.environ["MLA_RESULTS"] + ".third"), time.time() + 60
-    while not third.exists() and time.time() < deadline:
-        time.sleep(0.05)
+    if _worker(session.config) == "gw1":
+        _until("third")
 
 
 def pytest_runtest_call(item):
@@ -430,17 +443,38 @@ def pytest_runtest_call(item):
         CALLS.append(1)
         if len(CALLS) == 3:
             Path(os.environ["MLA_RESULTS"] + ".third").touch()
-            _until_gw1_is_refused()
+            _until("refused")
 """
 
 
-def test_a_collection_that_differs_after_the_hand_out_still_makes_the_run_incomplete(
-        tmp_path: Path) -> None:
+# gw1 collects one item less, and only once the controller has seen gw0 go down: gw0 has run
+# every case then and the run is shutting down, where xdist drops a worker's collection.
+DIFFERENT_COLLECTION_AFTER_THE_END = GW1_COLLECTS_ONE_LESS + """
+
+def pytest_testnodedown(node, error):
+    if node.gateway.id == "gw0":  # the controller: gw0 finished, the run is ending
+        Path(os.environ["MLA_RESULTS"] + ".gw0-down").touch()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session):
+    if _worker(session.config) == "gw1":
+        _until("gw0-down")
+"""
+
+
+@pytest.mark.parametrize(("plugin", "event"), [
+    (DIFFERENT_COLLECTION_AFTER_THE_HAND_OUT, "third"),
+    (DIFFERENT_COLLECTION_AFTER_THE_END, "gw0-down")], ids=["after-the-hand-out", "after-the-end"])
+def test_a_collection_that_differs_after_the_hand_out_or_the_end_makes_the_run_incomplete(
+        plugin: str, event: str, tmp_path: Path) -> None:
     """The same run is not a pass or not depending on when a worker's collection came: with
     every case handed out to gw0 when gw1's differing collection came, all 4 ran and the gate
-    said exit 0 beside the printed ERROR."""
-    r, res = _run_with(DIFFERENT_COLLECTION_AFTER_THE_HAND_OUT, tmp_path)
+    said exit 0 beside the printed ERROR; once gw0 had finished, xdist dropped the collection
+    (it came while the run shut down) and the gate said exit 0 with no word of it."""
+    r, res = _run_with(plugin, tmp_path)
     assert r.returncode == 6, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (tmp_path / f"r.jsonl.{event}").exists()  # gw1 waited for it, not for the deadline
     assert "ERROR collecting gw1" in r.stdout
     header, *verdicts = (json.loads(line) for line in res.read_text().splitlines())
     assert [v["status"] for v in verdicts] == ["PASS"] * 4  # all ran, on gw0
