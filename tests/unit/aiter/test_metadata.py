@@ -110,7 +110,8 @@ def batches(draw: st.DrawFn) -> dict[str, Any]:
                 max_split_per_batch=draw(st.sampled_from([-1, 1, 2, 32])))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(batches())
 def test_validator_accepts_model_schedules(params: dict[str, Any]) -> None:
     assert build(**params).validate() == []

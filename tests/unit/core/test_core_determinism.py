@@ -226,7 +226,7 @@ _quant = st.builds(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, derandomize=True, database=None, deadline=None)
 @given(
     requests=_requests, page_size=st.integers(1, 1024), heads=st.sampled_from([1, 8, 16, 128]),
     placement=_placement, quant=_quant, seed=st.integers(0, 2**40), sparse=st.booleans(),
