@@ -376,11 +376,15 @@ def pytest_collection_modifyitems(session, config, items):
 
 def pytest_collectreport(report):
     if report.failed and report.nodeid == "gw1":  # the controller refused gw1's collection
-        Path(os.environ["MLA_RESULTS"] + ".refused").touch()
+        _marker("refused").touch()
 
 
-def _until(event):  # until the file that says `event` is there (60 s: a safety net only)
-    path, deadline = Path(os.environ["MLA_RESULTS"] + "." + event), time.time() + 60
+def _marker(event):  # the file beside the results that says `event` happened
+    return Path(os.environ["MLA_RESULTS"] + "." + event)
+
+
+def _until(path):  # until `path` is there (60 s: a safety net only)
+    deadline = time.time() + 60
     while not path.exists() and time.time() < deadline:
         time.sleep(0.05)
 """
@@ -394,15 +398,13 @@ DIFFERENT_LATE_COLLECTION = GW1_COLLECTS_ONE_LESS + """
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_finish(session):
     if _worker(session.config) == "gw1":
-        results, deadline = Path(os.environ["MLA_RESULTS"]), time.time() + 60
-        while not results.exists() and time.time() < deadline:
-            time.sleep(0.05)
+        _until(Path(os.environ["MLA_RESULTS"]))
 
 
 def pytest_runtest_call(item):
     if _worker(item.config) == "gw0" and not getattr(item.config, "_waited", False):
         item.config._waited = True
-        _until("refused")
+        _until(_marker("refused"))
 """
 
 
@@ -435,15 +437,15 @@ CALLS = []
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_finish(session):
     if _worker(session.config) == "gw1":
-        _until("third")
+        _until(_marker("third"))
 
 
 def pytest_runtest_call(item):
     if _worker(item.config) == "gw0":
         CALLS.append(1)
         if len(CALLS) == 3:
-            Path(os.environ["MLA_RESULTS"] + ".third").touch()
-            _until("refused")
+            _marker("third").touch()
+            _until(_marker("refused"))
 """
 
 
@@ -453,13 +455,13 @@ DIFFERENT_COLLECTION_AFTER_THE_END = GW1_COLLECTS_ONE_LESS + """
 
 def pytest_testnodedown(node, error):
     if node.gateway.id == "gw0":  # the controller: gw0 finished, the run is ending
-        Path(os.environ["MLA_RESULTS"] + ".gw0-down").touch()
+        _marker("gw0-down").touch()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_finish(session):
     if _worker(session.config) == "gw1":
-        _until("gw0-down")
+        _until(_marker("gw0-down"))
 """
 
 
